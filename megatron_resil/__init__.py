@@ -1,0 +1,3 @@
+"""megatron-resil: Megatron-style GPT pretraining that survives failure."""
+
+__version__ = "0.1.0"

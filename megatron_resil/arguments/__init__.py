@@ -1,0 +1,58 @@
+"""Command line of pretrain.py: Megatron-LM's flag names, grouped by concern.
+
+Each concern (model, training, data, distributed, checkpointing, ...) owns one module with
+`add_arguments(parser)` and `validate(args, world_size)`. Bad input ends in one line naming the
+flag and exit code 2, before any work starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Sequence
+
+from megatron_resil.arguments import checkpointing, data, distributed, logging_args, model, training
+from megatron_resil.arguments.errors import ArgumentError
+
+# Order matters only for --help readability; validation order follows dependencies.
+_GROUPS = (model, training, data, distributed, checkpointing, logging_args)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but every error is one line on stderr and exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"pretrain.py: error: {message}\n")
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="pretrain.py",
+        description="Pretrain a megatron-core GPT with crash-safe checkpoints.",
+        allow_abbrev=False,
+    )
+    for group in _GROUPS:
+        group.add_arguments(parser)
+    return parser
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None) -> argparse.Namespace:
+    """Parse and validate; on bad input print one line naming the flag and exit with code 2."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    world_size = world_size_from_env() if world_size is None else world_size
+    try:
+        for group in _GROUPS:
+            group.validate(args, world_size)
+    except ArgumentError as err:
+        parser.error(str(err))
+    return args
+
+
+__all__ = ["ArgumentError", "build_parser", "parse_args"]

@@ -1,0 +1,57 @@
+"""Checkpoint save/load flags (Megatron-LM names, plus --ckpt-keep-last)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from megatron_resil.arguments.errors import ArgumentError
+
+SUPPORTED_FORMATS = ("torch_dist",)
+MEGATRON_FORMATS = ("torch", "torch_dist", "torch_dcp", "fsdp_dtensor", "zarr")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None, help="directory for persistent checkpoints")
+    g.add_argument("--load", default=None, help="directory to resume from (follows its tracker)")
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--save-retain-interval", type=int, default=None,
+                   help="older checkpoints are deleted unless their iteration is a multiple of this")
+    g.add_argument("--ckpt-keep-last", type=int, default=None,
+                   help="keep only the newest K checkpoints (plus --save-retain-interval ones)")
+    g.add_argument("--ckpt-format", choices=MEGATRON_FORMATS, default="torch_dist")
+    g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--no-save-rng", action="store_true")
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true",
+                   help="load model weights only; reset iteration, optimizer and RNG")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true")
+
+
+def _check_dir_flag(flag: str, path: str | None) -> None:
+    if path is not None and os.path.exists(path) and not os.path.isdir(path):
+        raise ArgumentError(f"{flag} {path} is a file, not a directory; give a checkpoint directory")
+
+
+def validate(args: argparse.Namespace, world_size: int) -> None:
+    if args.ckpt_format not in SUPPORTED_FORMATS:
+        raise ArgumentError(
+            f"--ckpt-format {args.ckpt_format} is not supported; use --ckpt-format torch_dist")
+    _check_dir_flag("--save", args.save)
+    _check_dir_flag("--load", args.load)
+    if args.save_interval is not None:
+        if args.save is None:
+            raise ArgumentError("--save-interval needs --save DIR")
+        if args.save_interval <= 0:
+            raise ArgumentError("--save-interval must be positive")
+    if args.save_retain_interval is not None:
+        if args.save is None:
+            raise ArgumentError("--save-retain-interval needs --save DIR")
+        if args.save_retain_interval <= 0:
+            raise ArgumentError("--save-retain-interval must be positive")
+    if args.ckpt_keep_last is not None and args.ckpt_keep_last < 1:
+        raise ArgumentError("--ckpt-keep-last must be at least 1")
+    if args.exit_on_missing_checkpoint and args.load is None:
+        raise ArgumentError("--exit-on-missing-checkpoint needs --load DIR")

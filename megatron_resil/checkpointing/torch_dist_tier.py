@@ -1,0 +1,132 @@
+"""A global checkpoint tier in torch_dist format through megatron-core's dist_checkpointing.
+
+Save: write into a staging directory, fsync everything, add the manifest, rename into place,
+then replace the tracker. Load order: the checkpoint the tracker names, then every other
+published one, newest first. Leftovers of interrupted saves are cleaned at start-up.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelSaveStrategyWrapper,
+)
+
+from megatron_resil import events, parallel
+from megatron_resil.checkpointing import layout
+from megatron_resil.checkpointing.atomic import fsync_dir, fsync_tree, publish_directory
+from megatron_resil.checkpointing.manifest import has_manifest, verify_manifest, write_manifest
+from megatron_resil.checkpointing.tier import CheckpointTier, TierCandidate
+from megatron_resil.checkpointing.tracker import read_tracker, write_tracker
+
+FORMAT = "torch_dist"
+
+
+class TorchDistTier(CheckpointTier):
+    def __init__(self, root: str, name: str = "persistent", write_tracker: bool = True) -> None:
+        self.root = root
+        self.name = name
+        self.write_tracker = write_tracker
+
+    # ---- load side -------------------------------------------------------------------------
+    def candidates(self) -> list[TierCandidate]:
+        # Rank 0's view of the shared directory is the one every rank follows.
+        return parallel.broadcast_object(self._scan() if parallel.is_rank0() else None)
+
+    def _scan(self) -> list[TierCandidate]:
+        published = layout.published_iterations(self.root)
+        reading = read_tracker(self.root)
+        ordered: list[TierCandidate] = []
+        if reading.iteration == -1:
+            ordered.append(TierCandidate(self.name, 0, os.path.join(self.root, layout.RELEASE_DIR),
+                                         "named by tracker (release)"))
+        elif reading.iteration is not None:
+            ordered.append(TierCandidate(self.name, reading.iteration,
+                                         layout.iteration_dir(self.root, reading.iteration),
+                                         "named by tracker"))
+        elif published:
+            events.decision("tracker", f"{reading.problem}; trying the newest checkpoint instead")
+        for iteration in published:
+            if reading.iteration != iteration:
+                ordered.append(TierCandidate(self.name, iteration,
+                                             layout.iteration_dir(self.root, iteration), "newest first"))
+        return ordered
+
+    def verify(self, candidate: TierCandidate) -> str | None:
+        path = candidate.path
+        if not os.path.isdir(path):
+            return "directory missing"
+        if not os.path.isfile(os.path.join(path, ".metadata")):
+            return "incomplete (no .metadata)"
+        if not has_manifest(path):
+            events.warn(f"{path} has no manifest: saved by Megatron-LM or an older megatron-resil; "
+                        "only the presence of .metadata was checked")
+            return None
+        is_release = os.path.basename(path) == layout.RELEASE_DIR
+        return verify_manifest(path, None if is_release else candidate.iteration)
+
+    def load(self, candidate: TierCandidate, sharded_template: dict) -> dict:
+        return dist_checkpointing.load(sharded_template, candidate.path)
+
+    # ---- save side -------------------------------------------------------------------------
+    def save(self, sharded_state: dict, iteration: int) -> str:
+        os.makedirs(self.root, exist_ok=True)
+        staging = parallel.broadcast_object(
+            layout.new_staging_dir(self.root, iteration) if parallel.is_rank0() else None)
+        if parallel.is_rank0():
+            os.makedirs(staging)
+        _barrier()
+        strategy = get_default_save_sharded_strategy(FORMAT)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # Spread replicated tensors over data-parallel ranks, as Megatron does by default.
+            from megatron.core import parallel_state
+            strategy = FullyParallelSaveStrategyWrapper(
+                strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
+        dist_checkpointing.save(sharded_state, staging, sharded_strategy=strategy)
+        _barrier()  # every rank's shards are written (DCP fsyncs what each rank writes)
+        final = layout.iteration_dir(self.root, iteration)
+        if parallel.is_rank0():
+            fsync_tree(staging)  # common.pt and metadata.json are written without fsync
+            write_manifest(staging, iteration, FORMAT)
+            fsync_dir(staging)
+            publish_directory(staging, final, layout.new_displaced_dir(self.root, iteration))
+            if self.write_tracker:
+                write_tracker(self.root, iteration)
+        _barrier()
+        return final
+
+    def startup_cleanup(self) -> None:
+        if parallel.is_rank0():
+            found = layout.leftovers(self.root)
+            for path in found["displaced"]:
+                iteration = layout.displaced_iteration(path)
+                final = layout.iteration_dir(self.root, iteration)
+                if not os.path.exists(final):
+                    # Died between the two renames of a non-atomic replace: put the old one back.
+                    os.rename(path, final)
+                    fsync_dir(self.root)
+                    events.decision("cleanup", f"restored {final} from interrupted replace {path}")
+                else:
+                    shutil.rmtree(path, ignore_errors=True)
+                    events.decision("cleanup", f"removed {path}: leftover of a completed replace")
+            for path in found["deleting"]:
+                shutil.rmtree(path, ignore_errors=True)
+                events.decision("cleanup", f"removed {path}: interrupted retention deletion")
+            for path in found["staging"]:
+                shutil.rmtree(path, ignore_errors=True)
+                events.decision("cleanup", f"removed {path}: incomplete save interrupted before publish; "
+                                "never loaded")
+            for path in found["tracker_tmp"]:
+                os.remove(path)
+                events.decision("cleanup", f"removed {path}: interrupted tracker update")
+        _barrier()
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,117 @@
+"""Training data: megatron-core GPT datasets (real indexed files or mock) and the sampler.
+
+`get_microbatch` is a pure function of the number of consumed samples, so resuming from a
+checkpoint replays exactly the batches an uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.core.datasets.utils import Split, get_blend_from_list
+
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+def data_cache_path(args: argparse.Namespace) -> str | None:
+    """Where dataset index caches go: --data-cache-path, else <save>/data_cache, else nowhere chosen by us."""
+    if args.data_cache_path:
+        return args.data_cache_path
+    if getattr(args, "save", None):
+        return os.path.join(args.save, "data_cache")
+    return None
+
+
+def _num_samples(args: argparse.Namespace) -> tuple[int, int]:
+    train = args.train_iters * args.global_batch_size
+    # Megatron-LM's count: one evaluation every eval_interval iterations plus one at the end.
+    evaluations = 1 + (args.train_iters // args.eval_interval if args.eval_interval else 0)
+    valid = evaluations * args.eval_iters * args.global_batch_size
+    return train, valid
+
+
+def _check_splits_have_tokens(config: GPTDatasetConfig, split_flag: str) -> None:
+    """megatron-core loops forever drawing samples from a split with no tokens; fail instead."""
+    if config.split_matrix[Split.train.value] is None:
+        raise ValueError(f"split {split_flag!r} leaves nothing for training")
+    for prefix in config.blend[0]:
+        # Keep the dataset referenced: its __del__ unmaps the memory sequence_lengths views.
+        indexed = IndexedDataset(prefix)
+        lengths = indexed.sequence_lengths
+        for split in (Split.train, Split.valid):
+            bounds = config.split_matrix[split.value]
+            if bounds is None:
+                continue
+            # The same document ranges megatron-core's builder carves out of each prefix.
+            beg, end = (int(round(bound * len(lengths))) for bound in bounds)
+            if int(lengths[beg:end].sum()) == 0:
+                raise ValueError(
+                    f"split {split_flag!r} gives the {split.name} split no tokens of {prefix} "
+                    f"({len(lengths)} documents); use more data, a larger {split.name} share"
+                    + (", or eval_iters 0" if split is Split.valid else ""))
+
+
+def build_datasets(
+    args: argparse.Namespace, tokenizer
+) -> tuple[torch.utils.data.Dataset, torch.utils.data.Dataset | None]:
+    """Build (train, valid) GPT datasets; valid is None when eval_iters is 0 or the split gives it nothing.
+
+    Collective when torch.distributed is initialised: every rank must call it, rank 0 builds the
+    index caches first and the others then read them.
+    """
+    if not args.mock_data and not args.data_path:
+        # megatron-core would silently fall back to mock data without a blend.
+        raise ValueError("no training data: set data_path or mock_data")
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=None if args.mock_data else get_blend_from_list(args.data_path),
+        split=args.split,
+        path_to_cache=data_cache_path(args),
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+    )
+    train_samples, valid_samples = _num_samples(args)
+    # Nothing here evaluates on the test split, and an unused split can still fail to build
+    # (e.g. a tiny corpus whose 1/1000 test share holds no document), so it is never built.
+    config.split_matrix[Split.test.value] = None
+    if valid_samples == 0:
+        config.split_matrix[Split.valid.value] = None
+    if not args.mock_data:
+        _check_splits_have_tokens(config, args.split)
+    dataset_cls = MockGPTDataset if args.mock_data else GPTDataset
+    # Every rank samples its own microbatches, so every rank needs the datasets.
+    train_ds, valid_ds, _ = BlendedMegatronDatasetBuilder(
+        dataset_cls, [train_samples, valid_samples, 0], lambda: True, config
+    ).build()
+    return train_ds, valid_ds
+
+
+def get_microbatch(
+    dataset: torch.utils.data.Dataset,
+    consumed_samples: int,
+    microbatch: int,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+) -> dict[str, torch.Tensor]:
+    """Microbatch `microbatch` of data-parallel rank `dp_rank` in the global batch at `consumed_samples`.
+
+    Sample order matches Megatron's MegatronPretrainingSampler; indices wrap modulo len(dataset)
+    so repeated evaluation can cycle through a validation set.
+    """
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank {dp_rank} is outside [0, {dp_size})")
+    if len(dataset) == 0:
+        raise ValueError("cannot sample from an empty dataset")
+    start = consumed_samples + (microbatch * dp_size + dp_rank) * micro_batch_size
+    samples = [dataset[(start + i) % len(dataset)] for i in range(micro_batch_size)]
+    return {key: torch.stack([sample[key] for sample in samples]) for key in BATCH_KEYS}

@@ -1,0 +1,5 @@
+"""Process exit codes of pretrain.py, the one table launch scripts act on (see README)."""
+
+FINISHED = 0  # training reached --train-iters, or a requested stop (--exit-interval, duration) saved
+BAD_ARGUMENTS = 2  # the command line is wrong; fix it, do not requeue
+NO_CHECKPOINT = 3  # --exit-on-missing-checkpoint and nothing loadable under --load; do not requeue

@@ -1,0 +1,100 @@
+"""Process groups, seeds and per-rank RNG state: what every rank sets up before building the model."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+
+
+def initialize(args: argparse.Namespace) -> None:
+    """Start torch.distributed from torchrun's environment and build megatron-core's groups."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=args.distributed_backend,
+            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
+        )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+    )
+    set_seeds(args.seed)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def set_seeds(seed: int) -> None:
+    # One seed for every rank: tensor-parallel ranks must draw identical dropout masks on their
+    # replicated activations, as in Megatron without --data-parallel-random-init.
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def rng_state() -> dict:
+    """Everything random this rank will draw from, so a resume continues bit for bit."""
+    state = {
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda_rng_state"] = torch.cuda.get_rng_state()
+        state["rng_tracker_states"] = tensor_parallel.get_cuda_rng_tracker().get_states()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    if torch.cuda.is_available() and "cuda_rng_state" in state:
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def is_rank0() -> bool:
+    return rank() == 0
+
+
+def all_ranks_agree(flag: bool) -> bool:
+    """True only if every rank passes True: one collective, so all ranks take the same branch."""
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def any_rank(flag: bool) -> bool:
+    return not all_ranks_agree(not flag)
+
+
+def broadcast_object(obj, src: int = 0):
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def _collective_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

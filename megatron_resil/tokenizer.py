@@ -1,0 +1,68 @@
+"""Tokenizers that need no download: Megatron's NullTokenizer and a UTF-8 byte tokenizer.
+
+Both expose what training and megatron-core's datasets read: `vocab_size` (unpadded), `eod`,
+`tokenize`, `detokenize`, and `unique_identifiers` (hashed into the dataset index cache keys).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import OrderedDict
+from typing import Iterable
+
+from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer as _CoreNullTokenizer
+
+
+class NullTokenizer:
+    """megatron-core's NullTokenizer: text is integer ids; ids 0..N-1 are data, N is EOD.
+
+    `vocab_size` is N + 1, as in Megatron-LM, so `--vocab-size N` leaves room for the EOD id.
+    """
+
+    def __init__(self, vocab_size: int) -> None:
+        self._core = _CoreNullTokenizer(vocab_size)
+        self.vocab_size: int = self._core.vocab_size
+        self.eod: int = self._core.eod
+        self.unique_identifiers = OrderedDict(
+            [("class", type(self).__name__), ("vocab_size", self.vocab_size)])
+
+    def tokenize(self, text: str) -> list[int]:
+        # Megatron splits on single spaces; any whitespace accepts the same inputs and more.
+        ids = self._core.tokens_to_ids(text.split())
+        for token in ids:
+            # Out-of-range ids would only surface later as an embedding index error mid-training.
+            if not 0 <= token < self.vocab_size:
+                raise ValueError(f"token id {token} is outside [0, {self.vocab_size})")
+        return ids
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self._core.ids_to_text([int(i) for i in ids])
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are ids 0..255 and EOD is 256."""
+
+    def __init__(self) -> None:
+        self.eod: int = 256
+        self.vocab_size: int = 257
+        self.unique_identifiers = OrderedDict(
+            [("class", type(self).__name__), ("vocab_size", self.vocab_size)])
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        # EOD has no byte; a model's output may also split a multi-byte character.
+        data = bytes(int(i) for i in ids if int(i) != self.eod)
+        return data.decode("utf-8", errors="replace")
+
+
+def build_tokenizer(args: argparse.Namespace) -> NullTokenizer | ByteTokenizer:
+    """Build the tokenizer named by `args.tokenizer_type` (NullTokenizer also reads `args.vocab_size`)."""
+    if args.tokenizer_type == "NullTokenizer":
+        if getattr(args, "vocab_size", None) is None:
+            raise ValueError("NullTokenizer needs a vocab_size")
+        return NullTokenizer(args.vocab_size)
+    if args.tokenizer_type == "ByteTokenizer":
+        return ByteTokenizer()
+    raise ValueError(f"unknown tokenizer_type {args.tokenizer_type!r}")

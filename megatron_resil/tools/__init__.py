@@ -1,0 +1,1 @@
+"""Command-line tools that run outside training (data preparation)."""

@@ -1,0 +1,67 @@
+"""Megatron-format training and validation log lines, plus tokens/s and optional TensorBoard."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from datetime import datetime
+
+from megatron_resil import parallel
+
+
+class TrainLogger:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.interval_start = time.perf_counter()
+        self.iterations_in_interval = 0
+        self.writer = None
+        if args.tensorboard_dir and parallel.is_rank0():
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=100)
+
+    def restart_interval(self) -> None:
+        """Time spent in eval or checkpointing is not charged to training iterations."""
+        self.interval_start = time.perf_counter()
+        self.iterations_in_interval = 0
+
+    def training_step(self, iteration: int, consumed_samples: int, lr: float, loss: float,
+                      grad_norm: float) -> None:
+        self.iterations_in_interval += 1
+        if self.writer is not None and iteration % self.args.tensorboard_log_interval == 0:
+            self.writer.add_scalar("lm loss", loss, iteration)
+            self.writer.add_scalar("learning-rate", lr, iteration)
+            self.writer.add_scalar("grad-norm", grad_norm, iteration)
+        if iteration % self.args.log_interval:
+            return
+        elapsed = time.perf_counter() - self.interval_start
+        per_iter_ms = 1000.0 * elapsed / max(self.iterations_in_interval, 1)
+        tokens_per_s = (self.args.global_batch_size * self.args.seq_length * self.iterations_in_interval
+                        / max(elapsed, 1e-9))
+        line = (f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}]"
+                f" iteration {iteration:8d}/{self.args.train_iters:8d} |"
+                f" consumed samples: {consumed_samples:12d} |"
+                f" elapsed time per iteration (ms): {per_iter_ms:.1f} |"
+                f" learning rate: {lr:.6E} |"
+                f" global batch size: {self.args.global_batch_size:5d} |"
+                f" lm loss: {loss:.6E} |"
+                f" grad norm: {grad_norm:.3f} |"
+                f" tokens per second: {tokens_per_s:.1f} |")
+        if parallel.is_rank0():
+            print(line, flush=True)
+        self.restart_interval()
+
+    def validation(self, iteration: int, loss: float) -> None:
+        ppl = math.exp(min(20.0, loss))
+        text = (f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} |"
+                f" lm loss PPL: {ppl:.6E} | ")
+        if self.writer is not None:
+            self.writer.add_scalar("lm loss validation", loss, iteration)
+        if parallel.is_rank0():
+            bar = "-" * len(text)
+            print(f"{bar}\n{text}\n{bar}", flush=True)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

@@ -1,0 +1,104 @@
+"""The training loop: one screen. Setup builds the parts; `train` steps, logs, evaluates, saves,
+and asks each stop condition after every iteration (the hook point for per-iteration checks)."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_resil import cpu_compat, events, exit_codes, parallel
+from megatron_resil.checkpointing.manager import CheckpointConfig, CheckpointManager
+from megatron_resil.data import build_datasets, get_microbatch
+from megatron_resil.model import build_model
+from megatron_resil.optimizer import Optimizer, build_scheduler
+from megatron_resil.progress import TrainProgress
+from megatron_resil.stop_conditions import StopConditions
+from megatron_resil.tokenizer import build_tokenizer
+from megatron_resil.train_log import TrainLogger
+
+
+def pretrain(args: argparse.Namespace) -> int:
+    cpu_compat.apply_if_needed()
+    parallel.initialize(args)
+    tokenizer = build_tokenizer(args)
+    model = build_model(args, tokenizer.vocab_size)
+    optimizer = Optimizer(model, args)
+    scheduler = build_scheduler(optimizer, args)
+    checkpoints = CheckpointManager(CheckpointConfig.from_args(args), model, optimizer, scheduler, args)
+    progress = checkpoints.load()
+    train_ds, valid_ds = build_datasets(args, tokenizer)
+    code = train(args, model, optimizer, scheduler, checkpoints, progress, train_ds, valid_ds)
+    parallel.shutdown()
+    return code
+
+
+def train(args, model, optimizer, scheduler, checkpoints, progress: TrainProgress,
+          train_ds, valid_ds) -> int:
+    logger, stops = TrainLogger(args), StopConditions(args)
+    events.print_rank_0(f"training from iteration {progress.iteration} to {args.train_iters}")
+    while progress.iteration < args.train_iters:
+        loss, grad_norm = train_step(args, model, optimizer, scheduler, train_ds, progress)
+        progress.iteration += 1
+        progress.consumed_train_samples += args.global_batch_size
+        logger.training_step(progress.iteration, progress.consumed_train_samples,
+                             optimizer.param_groups[0]["lr"], loss, grad_norm)
+        if valid_ds is not None and args.eval_iters and progress.iteration % args.eval_interval == 0:
+            logger.validation(progress.iteration, evaluate(args, model, valid_ds, progress))
+            logger.restart_interval()
+        if checkpoints.save_due(progress.iteration):
+            checkpoints.save(progress)
+            logger.restart_interval()
+        reason = stops.reason_to_stop(progress.iteration)
+        if reason is not None:
+            events.decision("exit", f"{reason}; saving and exiting with code {exit_codes.FINISHED}")
+            break
+    checkpoints.save(progress)
+    logger.close()
+    return exit_codes.FINISHED
+
+
+def _batch_loss(args, model, dataset, consumed: int, microbatch: int) -> torch.Tensor:
+    batch = get_microbatch(dataset, consumed, microbatch, args.micro_batch_size,
+                           parallel_state.get_data_parallel_rank(),
+                           parallel_state.get_data_parallel_world_size())
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    batch = {k: v.to(device) for k, v in batch.items()}
+    token_losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    mask = batch["loss_mask"].float()
+    return (token_losses.float() * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def _mean_over_data_parallel(value: torch.Tensor) -> float:
+    group = parallel_state.get_data_parallel_group()
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(value, group=group)
+        value = value / dist.get_world_size(group)
+    return float(value)
+
+
+def train_step(args, model, optimizer, scheduler, dataset, progress: TrainProgress) -> tuple[float, float]:
+    model.train()
+    optimizer.zero_grad()
+    total = torch.zeros((), dtype=torch.float32)
+    for microbatch in range(args.num_microbatches):
+        loss = _batch_loss(args, model, dataset, progress.consumed_train_samples, microbatch)
+        (loss / args.num_microbatches).backward()
+        total += loss.detach().cpu()
+    grad_norm = optimizer.step()
+    scheduler.step(increment=args.global_batch_size)
+    return _mean_over_data_parallel(total / args.num_microbatches), grad_norm
+
+
+@torch.no_grad()
+def evaluate(args, model, dataset, progress: TrainProgress) -> float:
+    model.eval()
+    total = torch.zeros((), dtype=torch.float32)
+    for _ in range(args.eval_iters):
+        for microbatch in range(args.num_microbatches):
+            total += _batch_loss(args, model, dataset, progress.consumed_valid_samples, microbatch).cpu()
+        progress.consumed_valid_samples += args.global_batch_size
+    model.train()
+    return _mean_over_data_parallel(total / (args.eval_iters * args.num_microbatches))
