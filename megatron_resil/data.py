@@ -7,19 +7,24 @@ checkpoint replays exactly the batches an uninterrupted run would have seen.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.utils import Split, get_blend_from_list
 
+from megatron_resil.tokenizer import ByteTokenizer, NullTokenizer
+
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
 
-def data_cache_path(args: argparse.Namespace) -> str | None:
-    """Where dataset index caches go: --data-cache-path, else <save>/data_cache, else nowhere chosen by us."""
+def _data_cache_path(args: argparse.Namespace) -> str | None:
+    """--data-cache-path, else <save>/data_cache; None lets megatron-core pick (<prefix>/cache/)."""
     if args.data_cache_path:
         return args.data_cache_path
     if getattr(args, "save", None):
@@ -56,8 +61,25 @@ def _check_splits_have_tokens(config: GPTDatasetConfig, split_flag: str) -> None
                     + (", or eval_iters 0" if split is Split.valid else ""))
 
 
+@contextlib.contextmanager
+def _process_group() -> Iterator[None]:
+    """Run in the caller's process group, or without one in a throwaway group of this process alone.
+
+    megatron-core's BlendedDataset calls torch.distributed.get_rank() unguarded when it writes its
+    index cache, so a weighted blend would otherwise fail in a single process without init.
+    """
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def build_datasets(
-    args: argparse.Namespace, tokenizer
+    args: argparse.Namespace, tokenizer: NullTokenizer | ByteTokenizer
 ) -> tuple[torch.utils.data.Dataset, torch.utils.data.Dataset | None]:
     """Build (train, valid) GPT datasets; valid is None when eval_iters is 0 or the split gives it nothing.
 
@@ -72,7 +94,7 @@ def build_datasets(
         sequence_length=args.seq_length,
         blend=None if args.mock_data else get_blend_from_list(args.data_path),
         split=args.split,
-        path_to_cache=data_cache_path(args),
+        path_to_cache=_data_cache_path(args),
         tokenizer=tokenizer,
         reset_position_ids=False,
         reset_attention_mask=False,
@@ -89,9 +111,10 @@ def build_datasets(
         _check_splits_have_tokens(config, args.split)
     dataset_cls = MockGPTDataset if args.mock_data else GPTDataset
     # Every rank samples its own microbatches, so every rank needs the datasets.
-    train_ds, valid_ds, _ = BlendedMegatronDatasetBuilder(
-        dataset_cls, [train_samples, valid_samples, 0], lambda: True, config
-    ).build()
+    with _process_group():
+        train_ds, valid_ds, _ = BlendedMegatronDatasetBuilder(
+            dataset_cls, [train_samples, valid_samples, 0], lambda: True, config
+        ).build()
     return train_ds, valid_ds
 
 

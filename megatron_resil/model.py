@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.module import Float16Module, MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 
@@ -91,9 +91,10 @@ def layer_spec(args: argparse.Namespace) -> ModuleSpec:
     return spec
 
 
-def build_model(args: argparse.Namespace, vocab_size: int) -> GPTModel:
+def build_model(args: argparse.Namespace, vocab_size: int) -> MegatronModule:
+    config = transformer_config(args)
     model = GPTModel(
-        config=transformer_config(args),
+        config=config,
         transformer_layer_spec=layer_spec(args),
         vocab_size=padded_vocab_size(vocab_size, args),
         max_sequence_length=args.max_position_embeddings,
@@ -102,4 +103,7 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> GPTModel:
     )
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
+    if args.bf16:
+        # As in Megatron-LM: casts inputs to bf16 and the loss back to fp32.
+        model = Float16Module(config, model)
     return model

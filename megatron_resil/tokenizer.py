@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 from collections import OrderedDict
-from typing import Iterable
+from collections.abc import Iterable
 
 from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer as _CoreNullTokenizer
 
