@@ -3,3 +3,4 @@
 FINISHED = 0  # training reached --train-iters, or a requested stop (--exit-interval, duration) saved
 BAD_ARGUMENTS = 2  # the command line is wrong; fix it, do not requeue
 NO_CHECKPOINT = 3  # --exit-on-missing-checkpoint and nothing loadable under --load; do not requeue
+SAVE_FAILED = 4  # a checkpoint could not be written (I/O error); the previous one is intact

@@ -58,7 +58,7 @@ class Optimizer:
             dist.all_reduce(flat, group=dp_group)
             flat /= dist.get_world_size(dp_group)
             grads = list(_unflatten_dense_tensors(flat, grads))
-        for main, grad in zip(self.main_params, grads):
+        for main, grad in zip(self.main_params, grads, strict=True):
             main.grad = grad.float() if self.mixed_precision else grad
         grad_norm = self._global_grad_norm()
         if self.clip_grad > 0 and math.isfinite(grad_norm):
@@ -69,7 +69,7 @@ class Optimizer:
         self.adam.step()
         if self.mixed_precision:
             with torch.no_grad():
-                for model_p, main_p in zip(self.model_params, self.main_params):
+                for model_p, main_p in zip(self.model_params, self.main_params, strict=True):
                     model_p.copy_(main_p)
         return grad_norm
 

@@ -18,10 +18,12 @@ def initialize(args: argparse.Namespace) -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend=args.distributed_backend,
-            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
-        )
+        timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
+        if "RANK" in os.environ:  # launched by torchrun, ft_launcher or srun
+            dist.init_process_group(backend=args.distributed_backend, timeout=timeout)
+        else:  # `python pretrain.py ...`: one process, no launcher needed
+            dist.init_process_group(backend=args.distributed_backend, timeout=timeout,
+                                    store=dist.HashStore(), rank=0, world_size=1)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -97,4 +99,6 @@ def broadcast_object(obj, src: int = 0):
 
 
 def _collective_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

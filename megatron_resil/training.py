@@ -11,6 +11,7 @@ from megatron.core import parallel_state
 
 from megatron_resil import cpu_compat, events, exit_codes, parallel
 from megatron_resil.checkpointing.manager import CheckpointConfig, CheckpointManager
+from megatron_resil.checkpointing.torch_dist_tier import CheckpointSaveError
 from megatron_resil.data import build_datasets, get_microbatch
 from megatron_resil.model import build_model
 from megatron_resil.optimizer import Optimizer, build_scheduler
@@ -30,7 +31,12 @@ def pretrain(args: argparse.Namespace) -> int:
     checkpoints = CheckpointManager(CheckpointConfig.from_args(args), model, optimizer, scheduler, args)
     progress = checkpoints.load()
     train_ds, valid_ds = build_datasets(args, tokenizer)
-    code = train(args, model, optimizer, scheduler, checkpoints, progress, train_ds, valid_ds)
+    try:
+        code = train(args, model, optimizer, scheduler, checkpoints, progress, train_ds, valid_ds)
+    except CheckpointSaveError as err:
+        events.decision("exit", f"{err}; the previous checkpoint and tracker are intact; "
+                        f"exiting with code {exit_codes.SAVE_FAILED}")
+        code = exit_codes.SAVE_FAILED
     parallel.shutdown()
     return code
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from megatron_resil.arguments import checkpointing, data, distributed, logging_args, model, training
 from megatron_resil.arguments.errors import ArgumentError

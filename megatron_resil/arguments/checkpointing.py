@@ -35,12 +35,24 @@ def _check_dir_flag(flag: str, path: str | None) -> None:
         raise ArgumentError(f"{flag} {path} is a file, not a directory; give a checkpoint directory")
 
 
+def _check_writable(flag: str, path: str | None) -> None:
+    """Fail now, not at the first save hours later; creates nothing."""
+    if path is None:
+        return
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ArgumentError(f"{flag} {path}: {probe} is not writable; choose a directory you can write")
+
+
 def validate(args: argparse.Namespace, world_size: int) -> None:
     if args.ckpt_format not in SUPPORTED_FORMATS:
         raise ArgumentError(
             f"--ckpt-format {args.ckpt_format} is not supported; use --ckpt-format torch_dist")
     _check_dir_flag("--save", args.save)
     _check_dir_flag("--load", args.load)
+    _check_writable("--save", args.save)
     if args.save_interval is not None:
         if args.save is None:
             raise ArgumentError("--save-interval needs --save DIR")

@@ -6,8 +6,8 @@ and a load never diverges. Rank 0 logs one line per candidate with the verdict a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch.distributed as dist
 

@@ -37,5 +37,5 @@ class CheckpointTier(ABC):
     def save(self, sharded_state: dict, iteration: int) -> str:
         """Collective: write and publish atomically; returns the published path."""
 
-    def startup_cleanup(self) -> None:
+    def startup_cleanup(self) -> None:  # noqa: B027 - optional hook, most tiers have nothing to clean
         """Collective: recognise and remove leftovers of interrupted saves (default: none)."""

@@ -11,7 +11,7 @@ import os
 import shutil
 
 import torch.distributed as dist
-from megatron.core import dist_checkpointing
+from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelSaveStrategyWrapper,
@@ -25,6 +25,17 @@ from megatron_resil.checkpointing.tier import CheckpointTier, TierCandidate
 from megatron_resil.checkpointing.tracker import read_tracker, write_tracker
 
 FORMAT = "torch_dist"
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save that could not complete; the previous checkpoint and the tracker are untouched."""
+
+
+def _make_staging(root: str, iteration: int) -> str:
+    os.makedirs(root, exist_ok=True)
+    staging = layout.new_staging_dir(root, iteration)
+    os.makedirs(staging)
+    return staging
 
 
 class TorchDistTier(CheckpointTier):
@@ -75,30 +86,41 @@ class TorchDistTier(CheckpointTier):
 
     # ---- save side -------------------------------------------------------------------------
     def save(self, sharded_state: dict, iteration: int) -> str:
-        os.makedirs(self.root, exist_ok=True)
-        staging = parallel.broadcast_object(
-            layout.new_staging_dir(self.root, iteration) if parallel.is_rank0() else None)
-        if parallel.is_rank0():
-            os.makedirs(staging)
-        _barrier()
+        staging = self._on_rank0(lambda: _make_staging(self.root, iteration),
+                                 f"create a staging directory in {self.root}")
         strategy = get_default_save_sharded_strategy(FORMAT)
         if dist.is_initialized() and dist.get_world_size() > 1:
             # Spread replicated tensors over data-parallel ranks, as Megatron does by default.
-            from megatron.core import parallel_state
             strategy = FullyParallelSaveStrategyWrapper(
                 strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
         dist_checkpointing.save(sharded_state, staging, sharded_strategy=strategy)
         _barrier()  # every rank's shards are written (DCP fsyncs what each rank writes)
         final = layout.iteration_dir(self.root, iteration)
-        if parallel.is_rank0():
-            fsync_tree(staging)  # common.pt and metadata.json are written without fsync
-            write_manifest(staging, iteration, FORMAT)
-            fsync_dir(staging)
-            publish_directory(staging, final, layout.new_displaced_dir(self.root, iteration))
-            if self.write_tracker:
-                write_tracker(self.root, iteration)
-        _barrier()
+        self._on_rank0(lambda: self._publish(staging, final, iteration), f"publish {final}")
         return final
+
+    def _publish(self, staging: str, final: str, iteration: int) -> None:
+        fsync_tree(staging)  # common.pt and metadata.json are written without fsync
+        write_manifest(staging, iteration, FORMAT)
+        fsync_dir(staging)
+        publish_directory(staging, final, layout.new_displaced_dir(self.root, iteration))
+        if self.write_tracker:
+            write_tracker(self.root, iteration)
+
+    @staticmethod
+    def _on_rank0(step, what: str):
+        """Run a file-system step on rank 0 and share its result, or its failure, with every rank,
+        so an I/O error there (disk full, permissions) ends the save everywhere instead of a hang."""
+        result, failure = None, None
+        if parallel.is_rank0():
+            try:
+                result = step()
+            except OSError as err:
+                failure = f"could not {what}: {err}"
+        result, failure = parallel.broadcast_object((result, failure))
+        if failure is not None:
+            raise CheckpointSaveError(failure)
+        return result
 
     def startup_cleanup(self) -> None:
         if parallel.is_rank0():
