@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import os
 from collections.abc import Iterator
 
@@ -24,12 +25,25 @@ BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
 
 def _data_cache_path(args: argparse.Namespace) -> str | None:
-    """--data-cache-path, else <save>/data_cache; None lets megatron-core pick (<prefix>/cache/)."""
-    if args.data_cache_path:
-        return args.data_cache_path
-    if getattr(args, "save", None):
-        return os.path.join(args.save, "data_cache")
-    return None
+    """Where dataset index caches go: --data-cache-path, else <save>/data_cache; None for mock data.
+
+    megatron-core keys its cache on paths, split and seed but not on file contents, so the caches of
+    real data live under a digest of the data files' sizes and modification times: re-preprocessing
+    into the same prefix gets a fresh cache instead of stale indices.
+    """
+    if args.mock_data:
+        return None  # mock data is generated in memory; caching it would write ~50 MB per run
+    root = args.data_cache_path or (os.path.join(args.save, "data_cache") if getattr(args, "save", None)
+                                    else None)
+    if root is None:
+        return None
+    identity = hashlib.sha1()
+    for prefix in args.data_path:
+        for suffix in (".bin", ".idx"):
+            if os.path.isfile(prefix + suffix):
+                st = os.stat(prefix + suffix)
+                identity.update(f"{os.path.abspath(prefix + suffix)}:{st.st_size}:{st.st_mtime_ns};".encode())
+    return os.path.join(root, identity.hexdigest()[:16])
 
 
 def _num_samples(args: argparse.Namespace) -> tuple[int, int]:
