@@ -28,6 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--finetune", action="store_true",
                    help="load model weights only; reset iteration, optimizer and RNG")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true")
+    g.add_argument("--ckpt-skip-checksums", action="store_true",
+                   help="do not verify file checksums on load (sizes and the manifest still are)")
 
 
 def _check_dir_flag(flag: str, path: str | None) -> None:

@@ -2,7 +2,8 @@
 
 Work in progress never carries a final `iter_` name: staging directories are `.tmp_iter_<7 digits>_*`,
 a replaced checkpoint briefly lives as `.displaced_iter_*`, one being deleted as `.deleting_iter_*`.
-None of them matches `iter_*`.
+None of them matches `iter_*`. A checkpoint that failed verification is kept, renamed
+`iter_<7 digits>.quarantined.<why>.<nonce>`, which the loader never considers again.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ _FINAL = re.compile(r"^iter_(\d{7,})$")
 _STAGING = re.compile(r"^\.tmp_iter_(\d{7,})_[0-9a-f]+$")
 _DISPLACED = re.compile(r"^\.displaced_iter_(\d{7,})_[0-9a-f]+$")
 _DELETING = re.compile(r"^\.deleting_iter_(\d{7,})_[0-9a-f]+$")
+_QUARANTINED = re.compile(r"^iter_(\d{7,})\.quarantined\.[a-z-]+\.[0-9a-f]+$")
 _TRACKER_TMP = re.compile(r"^\." + re.escape(TRACKER_NAME) + r"\.tmp\.[0-9a-f]+$")
 
 
@@ -34,6 +36,16 @@ def new_displaced_dir(root: str, iteration: int) -> str:
 
 def new_deleting_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f".deleting_iter_{iteration:07d}_{uuid.uuid4().hex[:12]}")
+
+
+def new_quarantine_dir(root: str, iteration: int, slug: str) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}.quarantined.{slug}.{uuid.uuid4().hex[:8]}")
+
+
+def quarantined(root: str) -> list[str]:
+    if not os.path.isdir(root):
+        return []
+    return sorted(os.path.join(root, name) for name in os.listdir(root) if _QUARANTINED.match(name))
 
 
 def published_iterations(root: str) -> list[int]:

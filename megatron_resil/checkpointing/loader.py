@@ -10,9 +10,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_resil import events, parallel
 from megatron_resil.checkpointing.tier import CheckpointTier, TierCandidate
+
+
+class CheckpointLoadError(RuntimeError):
+    """A candidate passed verification but could not be loaded into this model: an incompatible
+    configuration (model shape, parallel layout), not bad data, so falling back would be wrong."""
 
 
 @dataclass
@@ -36,6 +42,15 @@ def _summarise(reasons: list[str | None]) -> str:
     return f"rank {first_rank}: {first}{more}"
 
 
+def _one_line(err: BaseException) -> str:
+    if isinstance(err, CheckpointException) and err.failures:  # DCP wraps each rank's real error
+        err = next(iter(err.failures.values()))
+        if isinstance(err, tuple):  # (exception, traceback) in some torch versions
+            err = err[0]
+    first_line = (str(err).splitlines() or [""])[0][:300]
+    return f"{type(err).__name__}: {first_line}"
+
+
 def load_first_verified(tiers: list[CheckpointTier],
                         make_template: Callable[[TierCandidate], dict]) -> LoadResult | None:
     for tier in tiers:
@@ -43,16 +58,21 @@ def load_first_verified(tiers: list[CheckpointTier],
             where = f"{candidate.tier} iteration {candidate.iteration} ({candidate.path})"
             reason = tier.verify(candidate)
             if not parallel.all_ranks_agree(reason is None):
-                events.decision("load", f"rejected {where}: {_summarise(_gather_reasons(reason))}")
+                why = _summarise(_gather_reasons(reason))
+                events.decision("load", f"rejected {where}: {why}")
+                tier.quarantine(candidate, why)
                 continue
             try:
                 state = tier.load(candidate, make_template(candidate))
                 failure = None
-            except Exception as err:  # a verified checkpoint that still fails to load is rejected too
-                state, failure = None, f"load failed: {type(err).__name__}: {str(err)[:200]}"
+            # Reported collectively below, so no rank is left waiting. torch's DCP raises
+            # CheckpointException, a BaseException.
+            except (Exception, CheckpointException) as err:
+                state, failure = None, _one_line(err)
             if not parallel.all_ranks_agree(failure is None):
-                events.decision("load", f"rejected {where}: {_summarise(_gather_reasons(failure))}")
-                continue
+                raise CheckpointLoadError(f"{where} passed verification but does not load into this model "
+                                          f"({_summarise(_gather_reasons(failure))}); check that the "
+                                          "model and parallel flags match the run that saved it")
             events.decision("load", f"accepted {where}: verified, {candidate.note}")
             return LoadResult(candidate, state)
     return None

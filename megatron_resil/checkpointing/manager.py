@@ -10,14 +10,16 @@ import argparse
 import os
 import sys
 from dataclasses import dataclass
+from typing import NoReturn
 
 from megatron.core import dist_checkpointing, parallel_state
 
 from megatron_resil import events, exit_codes, parallel
-from megatron_resil.checkpointing import loader, state
+from megatron_resil.checkpointing import layout, loader, state
 from megatron_resil.checkpointing.retention import apply_retention
 from megatron_resil.checkpointing.tier import TierCandidate
 from megatron_resil.checkpointing.torch_dist_tier import TorchDistTier
+from megatron_resil.checkpointing.tracker import tracker_path
 from megatron_resil.progress import TrainProgress
 
 
@@ -34,6 +36,7 @@ class CheckpointConfig:
     load_rng: bool
     finetune: bool
     exit_on_missing_checkpoint: bool
+    verify_checksums: bool
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> CheckpointConfig:
@@ -42,7 +45,8 @@ class CheckpointConfig:
                    save_optim=not args.no_save_optim, save_rng=not args.no_save_rng,
                    load_optim=not args.no_load_optim and not args.finetune,
                    load_rng=not args.no_load_rng and not args.finetune, finetune=args.finetune,
-                   exit_on_missing_checkpoint=args.exit_on_missing_checkpoint)
+                   exit_on_missing_checkpoint=args.exit_on_missing_checkpoint,
+                   verify_checksums=not args.ckpt_skip_checksums)
 
 
 class CheckpointManager:
@@ -60,16 +64,22 @@ class CheckpointManager:
     def load(self) -> TrainProgress:
         if self.config.load is None:
             return TrainProgress()
-        tiers = [TorchDistTier(self.config.load)]
-        result = loader.load_first_verified(tiers, self._template_for)
+        tiers = [TorchDistTier(self.config.load, verify_checksums=self.config.verify_checksums)]
+        try:
+            result = loader.load_first_verified(tiers, self._template_for)
+        except loader.CheckpointLoadError as err:
+            self._exit_no_checkpoint(str(err))
         if result is None:
             if self.config.exit_on_missing_checkpoint:
-                events.decision("exit", f"no loadable checkpoint under --load {self.config.load} and "
-                                "--exit-on-missing-checkpoint is set; exiting "
-                                f"with code {exit_codes.NO_CHECKPOINT}")
-                parallel.shutdown()
-                sys.exit(exit_codes.NO_CHECKPOINT)
-            events.decision("load", f"no loadable checkpoint under --load {self.config.load}; "
+                self._exit_no_checkpoint(f"no loadable checkpoint under --load {self.config.load} and "
+                                         "--exit-on-missing-checkpoint is set")
+            if _holds_checkpoints(self.config.load):
+                # Starting from scratch here would later overwrite the tracker and iter_ names.
+                self._exit_no_checkpoint(
+                    f"--load {self.config.load} holds checkpoints (or quarantined ones) but none could be "
+                    "loaded (reasons above); refusing to start from scratch over them: fix or move them, "
+                    "or point --load at another directory")
+            events.decision("load", f"no checkpoint under --load {self.config.load}; "
                             "starting from random initialisation at iteration 0")
             return TrainProgress()
         progress = state.restore(result.state, self.model, self.optimizer, self.scheduler,
@@ -82,6 +92,12 @@ class CheckpointManager:
         if progress.iteration and _same_dir(self.config.load, self.config.save):
             self.last_saved_iteration = progress.iteration  # already on disk; don't re-save it
         return progress
+
+    @staticmethod
+    def _exit_no_checkpoint(reason: str) -> NoReturn:
+        events.decision("exit", f"{reason}; exiting with code {exit_codes.NO_CHECKPOINT}")
+        parallel.shutdown()
+        sys.exit(exit_codes.NO_CHECKPOINT)
 
     def _template_for(self, candidate: TierCandidate) -> dict:
         saved_args = dist_checkpointing.load_common_state_dict(candidate.path).get("args", {})
@@ -116,6 +132,11 @@ class CheckpointManager:
                             f"to {os.path.dirname(path)} [ t 1/{tp}, p 1/1 ]")
         if parallel.is_rank0():
             apply_retention(self.config.save, self.config.keep_last, self.config.save_retain_interval)
+
+
+def _holds_checkpoints(root: str) -> bool:
+    return bool(layout.published_iterations(root) or layout.quarantined(root)
+                or os.path.exists(tracker_path(root)))
 
 
 def _same_dir(a: str | None, b: str | None) -> bool:

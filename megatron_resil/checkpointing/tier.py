@@ -37,5 +37,8 @@ class CheckpointTier(ABC):
     def save(self, sharded_state: dict, iteration: int) -> str:
         """Collective: write and publish atomically; returns the published path."""
 
+    def quarantine(self, candidate: TierCandidate, reason: str) -> None:  # noqa: B027 - optional
+        """Collective: set aside a candidate that failed verification so it is never tried again."""
+
     def startup_cleanup(self) -> None:  # noqa: B027 - optional hook, most tiers have nothing to clean
         """Collective: recognise and remove leftovers of interrupted saves (default: none)."""

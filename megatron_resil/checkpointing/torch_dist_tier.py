@@ -20,7 +20,12 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
 from megatron_resil import events, parallel
 from megatron_resil.checkpointing import layout
 from megatron_resil.checkpointing.atomic import fsync_dir, fsync_tree, publish_directory
-from megatron_resil.checkpointing.manifest import has_manifest, verify_manifest, write_manifest
+from megatron_resil.checkpointing.manifest import (
+    checksum_files,
+    has_manifest,
+    verify_manifest,
+    write_manifest,
+)
 from megatron_resil.checkpointing.tier import CheckpointTier, TierCandidate
 from megatron_resil.checkpointing.tracker import read_tracker, write_tracker
 
@@ -39,10 +44,12 @@ def _make_staging(root: str, iteration: int) -> str:
 
 
 class TorchDistTier(CheckpointTier):
-    def __init__(self, root: str, name: str = "persistent", write_tracker: bool = True) -> None:
+    def __init__(self, root: str, name: str = "persistent", write_tracker: bool = True,
+                 verify_checksums: bool = True) -> None:
         self.root = root
         self.name = name
         self.write_tracker = write_tracker
+        self.verify_checksums = verify_checksums
 
     # ---- load side -------------------------------------------------------------------------
     def candidates(self) -> list[TierCandidate]:
@@ -79,7 +86,22 @@ class TorchDistTier(CheckpointTier):
                         "only the presence of .metadata was checked")
             return None
         is_release = os.path.basename(path) == layout.RELEASE_DIR
-        return verify_manifest(path, None if is_release else candidate.iteration)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        # Every rank checks all sizes and the checksums of its share of the files.
+        return verify_manifest(path, None if is_release else candidate.iteration,
+                               share=(parallel.rank(), world), checksums=self.verify_checksums)
+
+    def quarantine(self, candidate: TierCandidate, reason: str) -> None:
+        if parallel.is_rank0() and os.path.isdir(candidate.path) and \
+                os.path.basename(candidate.path) != layout.RELEASE_DIR:
+            target = layout.new_quarantine_dir(self.root, candidate.iteration, _slug(reason))
+            os.rename(candidate.path, target)
+            with open(os.path.join(target, "QUARANTINE_REASON.txt"), "w") as f:
+                f.write(reason + "\n")
+            fsync_dir(self.root)
+            events.decision("quarantine", f"renamed {candidate.path} to {target}: {reason}; "
+                            "kept for inspection, never loaded again")
+        _barrier()
 
     def load(self, candidate: TierCandidate, sharded_template: dict) -> dict:
         return dist_checkpointing.load(sharded_template, candidate.path)
@@ -94,14 +116,14 @@ class TorchDistTier(CheckpointTier):
             strategy = FullyParallelSaveStrategyWrapper(
                 strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
         dist_checkpointing.save(sharded_state, staging, sharded_strategy=strategy)
-        _barrier()  # every rank's shards are written (DCP fsyncs what each rank writes)
+        checksums = _gather(_checksum_own_shards(staging))
         final = layout.iteration_dir(self.root, iteration)
-        self._on_rank0(lambda: self._publish(staging, final, iteration), f"publish {final}")
+        self._on_rank0(lambda: self._publish(staging, final, iteration, checksums), f"publish {final}")
         return final
 
-    def _publish(self, staging: str, final: str, iteration: int) -> None:
+    def _publish(self, staging: str, final: str, iteration: int, checksums: dict) -> None:
         fsync_tree(staging)  # common.pt and metadata.json are written without fsync
-        write_manifest(staging, iteration, FORMAT)
+        write_manifest(staging, iteration, FORMAT, checksums)
         fsync_dir(staging)
         publish_directory(staging, final, layout.new_displaced_dir(self.root, iteration))
         if self.write_tracker:
@@ -147,6 +169,33 @@ class TorchDistTier(CheckpointTier):
                 os.remove(path)
                 events.decision("cleanup", f"removed {path}: interrupted tracker update")
         _barrier()
+
+
+def _checksum_own_shards(staging: str) -> dict:
+    """The shard files this rank wrote (`__<rank>_<n>.distcp`), checksummed by their writer."""
+    prefix = f"__{parallel.rank()}_"
+    own = sorted(name for name in os.listdir(staging) if name.startswith(prefix) and name.endswith(".distcp"))
+    return checksum_files(staging, own)
+
+
+def _gather(local: dict) -> dict:
+    """Union of every rank's dict (collective; also the barrier that says every shard is written)."""
+    if not dist.is_initialized():
+        return local
+    parts: list[dict] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(parts, local)
+    merged: dict = {}
+    for part in parts:
+        merged.update(part)
+    return merged
+
+
+def _slug(reason: str) -> str:
+    for word, slug in (("checksum", "checksum"), ("bytes", "truncated"), ("missing", "missing"),
+                       ("manifest", "manifest"), ("metadata", "incomplete")):
+        if word in reason:
+            return slug
+    return "rejected"
 
 
 def _barrier() -> None:
