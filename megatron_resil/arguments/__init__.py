@@ -39,15 +39,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def world_size_from_env() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    raw = os.environ.get("WORLD_SIZE", "1")
+    if not raw.isdigit() or int(raw) < 1:
+        raise ArgumentError(f"environment variable WORLD_SIZE={raw!r} must be a positive integer; "
+                            "launch with torchrun, ft_launcher or srun")
+    return int(raw)
 
 
 def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None) -> argparse.Namespace:
     """Parse and validate; on bad input print one line naming the flag and exit with code 2."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    world_size = world_size_from_env() if world_size is None else world_size
     try:
+        world_size = world_size_from_env() if world_size is None else world_size
         for group in _GROUPS:
             group.validate(args, world_size)
     except ArgumentError as err:

@@ -44,6 +44,8 @@ def _check_writable(flag: str, path: str | None) -> None:
     probe = os.path.abspath(path)
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise ArgumentError(f"{flag} {path}: {probe} is a file, so the directory cannot be created")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise ArgumentError(f"{flag} {path}: {probe} is not writable; choose a directory you can write")
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 
 from megatron_resil.arguments.errors import ArgumentError
 
 TOKENIZERS = ("NullTokenizer", "ByteTokenizer")
+_SPLIT_WEIGHT = re.compile(r"\d+(\.\d*)?|\.\d+")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,11 +48,12 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
                 raise ArgumentError(
                     f"--data-path {prefix}: {prefix + suffix} not found; build it with "
                     f"python -m megatron_resil.tools.preprocess_data")
-    try:
-        parts = [float(x) for x in args.split.replace("/", ",").split(",") if x.strip()]
-    except ValueError:
-        raise ArgumentError(f"--split {args.split!r} must be comma-separated numbers") from None
-    if not parts or len(parts) > 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
+    # Exactly what megatron-core's parse_and_normalize_split reads (re.findall(r"[.0-9]+")).
+    pieces = [p.strip() for p in args.split.replace("/", ",").split(",") if p.strip()]
+    if not all(_SPLIT_WEIGHT.fullmatch(p) for p in pieces):
+        raise ArgumentError(f"--split {args.split!r} must be comma-separated plain numbers, e.g. 969,30,1")
+    parts = [float(p) for p in pieces]
+    if not parts or len(parts) > 3 or sum(parts) <= 0:
         raise ArgumentError(f"--split {args.split!r} must be up to three non-negative weights")
     if args.tokenizer_type == "NullTokenizer":
         if args.vocab_size is None:

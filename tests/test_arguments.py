@@ -1,0 +1,268 @@
+"""The command line of pretrain.py: Megatron flag names and defaults, and bad input ending in ONE line.
+
+Every bad-input case is checked in-process through `parse_args(argv, world_size=...)` (fast); a few
+representative ones also run the real `pretrain.py` as a subprocess, WORLD_SIZE in its environment,
+to prove the whole path: exit code 2, exactly one `pretrain.py: error: ...` line naming the flag on
+stderr, no traceback, and nothing created on disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_resil.arguments import parse_args
+
+try:
+    from tests import launch  # tests/ is a package
+except ImportError:  # tests/ on sys.path instead
+    import launch
+
+CUDA = torch.cuda.is_available()
+HAVE_TE = CUDA and importlib.util.find_spec("transformer_engine") is not None
+
+# A valid Megatron-style command line: --flag value pairs (value None: a store_true flag).
+# "{tmp}" and "{file}" are replaced by the test's scratch directory and an existing plain file in it.
+BASE: dict[str, str | list[str] | None] = {
+    "--num-layers": "2", "--hidden-size": "64", "--num-attention-heads": "4",
+    "--seq-length": "32", "--max-position-embeddings": "32",
+    "--tokenizer-type": "NullTokenizer", "--vocab-size": "128",
+    "--micro-batch-size": "2", "--train-iters": "10", "--lr": "1e-3", "--min-lr": "1e-4",
+    "--mock-data": None, "--save": "{tmp}/ckpt",
+}
+FILE_NAME = "a_plain_file.txt"
+
+
+def build_argv(tmp: Path, set_: dict | None = None, drop: tuple[str, ...] = (),
+               extra: tuple[str, ...] = ()) -> list[str]:
+    flags = {k: v for k, v in BASE.items() if k not in drop}
+    flags.update(set_ or {})
+    argv: list[str] = []
+    for flag, value in flags.items():
+        argv.append(flag)
+        if value is None:
+            continue
+        argv.extend(value if isinstance(value, list) else [value])
+    argv.extend(extra)
+    return [a.format(tmp=tmp, file=tmp / FILE_NAME) for a in argv]
+
+
+class Case:
+    def __init__(self, id: str, *, set_: dict | None = None, drop: tuple[str, ...] = (),
+                 extra: tuple[str, ...] = (), world_size: int = 1, names: tuple[str, ...],
+                 marks=()):
+        self.id, self.set_, self.drop, self.extra = id, set_, drop, extra
+        self.world_size, self.names, self.marks = world_size, names, marks
+
+    def param(self):
+        return pytest.param(self, id=self.id, marks=self.marks)
+
+
+BAD = {c.id: c for c in [
+    Case("unknown-flag", extra=("--no-such-flag",), names=("--no-such-flag",)),
+    Case("megatron-abbreviation-not-accepted", drop=("--num-layers",), extra=("--num-lay", "2"),
+         names=("--num-lay",)),
+    Case("heads-not-divisible-by-tp",
+         set_={"--hidden-size": "96", "--num-attention-heads": "3", "--tensor-model-parallel-size": "2"},
+         world_size=2, names=("--num-attention-heads 3", "--tensor-model-parallel-size 2")),
+    Case("world-size-not-divisible-by-tp", set_={"--tensor-model-parallel-size": "2"}, world_size=3,
+         names=("world size 3", "--tensor-model-parallel-size 2")),
+    Case("save-interval-without-save", drop=("--save",), set_={"--save-interval": "5"},
+         names=("--save-interval", "--save")),
+    Case("global-batch-not-divisible-by-micro-x-dp", set_={"--global-batch-size": "6"}, world_size=2,
+         names=("--global-batch-size 6", "--micro-batch-size 2")),
+    Case("load-is-a-file", set_={"--load": "{file}"}, names=("--load", FILE_NAME)),
+    Case("save-is-a-file", set_={"--save": "{file}"}, names=("--save", FILE_NAME)),
+    Case("seq-length-exceeds-max-position-embeddings", set_={"--seq-length": "64"},
+         names=("--seq-length 64", "--max-position-embeddings 32")),
+    Case("bf16-with-fp16", extra=("--bf16", "--fp16"), names=("--bf16", "--fp16")),
+    Case("missing-train-iters", drop=("--train-iters",), names=("--train-iters",)),
+    Case("missing-data", drop=("--mock-data",), names=("--data-path", "--mock-data")),
+    Case("mock-data-with-data-path", set_={"--data-path": "{tmp}/corpus"},
+         names=("--mock-data", "--data-path")),
+    Case("data-path-nonexistent-prefix", drop=("--mock-data",), set_={"--data-path": "{tmp}/nope"},
+         names=("--data-path", "nope")),
+    Case("ckpt-format-torch-unsupported", set_={"--ckpt-format": "torch"},
+         names=("--ckpt-format torch",)),
+    Case("transformer-engine-on-cpu", set_={"--transformer-impl": "transformer_engine"},
+         names=("--transformer-impl",),
+         marks=pytest.mark.skipif(HAVE_TE, reason="Transformer Engine and CUDA are present")),
+    Case("nccl-without-cuda", set_={"--distributed-backend": "nccl"}, names=("--distributed-backend",),
+         marks=pytest.mark.skipif(CUDA, reason="CUDA is present")),
+    Case("exit-on-missing-checkpoint-without-load", extra=("--exit-on-missing-checkpoint",),
+         names=("--exit-on-missing-checkpoint", "--load")),
+    Case("ckpt-keep-last-0", set_={"--ckpt-keep-last": "0"}, names=("--ckpt-keep-last",)),
+    Case("split-garbage", set_={"--split": "lots,some"}, names=("--split",)),
+    Case("null-tokenizer-without-vocab-size", drop=("--vocab-size",),
+         names=("--vocab-size", "NullTokenizer")),
+    Case("wsd-without-wsd-decay-iters", set_={"--lr-decay-style": "WSD"},
+         names=("--lr-wsd-decay-iters",)),
+    Case("min-lr-above-lr", set_={"--min-lr": "1e-2"}, names=("--min-lr", "--lr")),
+    # Beyond the brief: more flags a user gets wrong.
+    Case("non-integer-value", set_={"--num-layers": "two"}, names=("--num-layers",)),
+    Case("unknown-ckpt-format", set_={"--ckpt-format": "pickle"}, names=("--ckpt-format",)),
+    Case("hidden-not-divisible-by-heads", set_={"--hidden-size": "66"},
+         names=("--hidden-size 66", "--num-attention-heads 4")),
+    Case("pipeline-parallel-unsupported", set_={"--pipeline-model-parallel-size": "2"}, world_size=2,
+         names=("--pipeline-model-parallel-size",)),
+    Case("save-retain-interval-without-save", drop=("--save",), set_={"--save-retain-interval": "5"},
+         names=("--save-retain-interval", "--save")),
+    Case("tensorboard-dir-is-a-file", set_={"--tensorboard-dir": "{file}"}, names=("--tensorboard-dir",)),
+    Case("weighted-data-path-one-prefix-missing", drop=("--mock-data",),
+         set_={"--data-path": ["0.3", "{tmp}/corpus_a", "0.7", "{tmp}/corpus_b"]},
+         names=("--data-path", "corpus_a")),
+    # megatron-core reads --split with re.findall(r"[.0-9]+"): "1e-3,1,1" becomes four numbers and an
+    # AssertionError traceback when the datasets are built; "nan,1,1" silently becomes 1,1,0.
+    Case("split-scientific-notation", set_={"--split": "1e-3,1,1"}, names=("--split",)),
+    Case("split-nan", set_={"--split": "nan,1,1"}, names=("--split",)),
+    # Caught up front rather than at the first save, after training.
+    Case("save-under-a-file", set_={"--save": "{file}/ckpt"}, names=("--save",)),
+]}
+
+SUBPROCESS_CASES = ("unknown-flag", "heads-not-divisible-by-tp", "load-is-a-file", "missing-data")
+
+
+def _scratch(tmp: Path) -> Path:
+    """The scratch directory every case starts from: one plain file, nothing else."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / FILE_NAME).write_text("not a directory\n")
+    return tmp
+
+
+def _assert_nothing_created(tmp: Path) -> None:
+    assert sorted(p.name for p in tmp.iterdir()) == [FILE_NAME]
+    assert (tmp / FILE_NAME).read_text() == "not a directory\n"
+
+
+def _assert_one_line_naming(stderr: str, names: tuple[str, ...]) -> None:
+    assert "Traceback" not in stderr
+    lines = stderr.splitlines()
+    assert len(lines) == 1 and stderr.endswith("\n"), f"expected one line on stderr, got {stderr!r}"
+    line = lines[0]
+    assert line.startswith("pretrain.py: error: ") and line.strip() != "pretrain.py: error:", line
+    for name in names:
+        assert name in line, f"{name!r} not named in {line!r}"
+
+
+@pytest.mark.parametrize("case", [c.param() for c in BAD.values()])
+def test_bad_input_in_process(case: Case, tmp_path: Path, capsys) -> None:
+    tmp = _scratch(tmp_path)
+    argv = build_argv(tmp, case.set_, case.drop, case.extra)
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv, world_size=case.world_size)
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    _assert_one_line_naming(err, case.names)
+    _assert_nothing_created(tmp)
+
+
+# --- the real process, WORLD_SIZE from the environment -------------------------------------------------
+
+@pytest.fixture(scope="module")
+def subprocess_runs(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """Start the representative cases all at once (the torch import dominates), then collect them."""
+    started = {}
+    for case_id in SUBPROCESS_CASES:
+        case = BAD[case_id]
+        tmp = _scratch(tmp_path_factory.mktemp(case_id))
+        env = launch.env()
+        env["WORLD_SIZE"] = str(case.world_size)
+        argv = [sys.executable, launch.PRETRAIN, *build_argv(tmp, case.set_, case.drop, case.extra)]
+        proc = subprocess.Popen(argv, env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        started[case_id] = (tmp, argv, proc)
+    results = {}
+    for case_id, (tmp, argv, proc) in started.items():
+        try:
+            out, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        results[case_id] = (tmp, subprocess.CompletedProcess(argv, proc.returncode, out, err))
+    return results
+
+
+@pytest.mark.parametrize("case_id", SUBPROCESS_CASES)
+def test_bad_input_subprocess(case_id: str, subprocess_runs) -> None:
+    tmp, result = subprocess_runs[case_id]
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stdout
+    assert result.stdout == ""
+    _assert_one_line_naming(result.stderr, BAD[case_id].names)
+    _assert_nothing_created(tmp)
+
+
+def test_subprocess_world_size_comes_from_env(tmp_path: Path) -> None:
+    """The same line is fine at WORLD_SIZE=1: the TP error above really came from WORLD_SIZE=2."""
+    case = BAD["heads-not-divisible-by-tp"]
+    tmp = _scratch(tmp_path)
+    argv = build_argv(tmp, {**case.set_, "--tensor-model-parallel-size": "1"}, case.drop, case.extra)
+    args = parse_args(argv, world_size=2)
+    assert args.world_size == 2 and args.data_parallel_size == 2
+
+
+# --- good input: Megatron defaults ----------------------------------------------------------------------
+
+def test_valid_megatron_command_line_gets_megatron_defaults(tmp_path: Path, capsys) -> None:
+    tmp = _scratch(tmp_path)
+    argv = build_argv(tmp, drop=("--max-position-embeddings",),
+                      set_={"--hidden-size": "64", "--seq-length": "48", "--save-interval": "5",
+                            "--ckpt-keep-last": "2", "--load": "{tmp}/ckpt"})
+    args = parse_args(argv, world_size=2)
+    assert isinstance(args, argparse.Namespace)
+    assert args.ffn_hidden_size == 4 * 64
+    assert args.max_position_embeddings == 48 == args.seq_length
+    assert args.kv_channels == 64 // 4
+    assert args.num_query_groups == args.num_attention_heads == 4
+    assert args.world_size == 2 and args.data_parallel_size == 2
+    assert args.global_batch_size == 2 * 2 and args.num_microbatches == 1
+    assert args.lr_decay_iters == args.train_iters == 10
+    assert args.ckpt_format == "torch_dist"
+    assert args.split == "969, 30, 1"
+    assert args.seed == 1234 and args.log_interval == 100
+    if not CUDA:
+        assert args.distributed_backend == "gloo"
+        assert args.transformer_impl == "local"
+    assert capsys.readouterr() == ("", "")
+    _assert_nothing_created(tmp)  # neither --save nor --load was created by parsing
+
+
+def test_explicit_values_are_kept(tmp_path: Path) -> None:
+    tmp = _scratch(tmp_path)
+    argv = build_argv(tmp, set_={"--ffn-hidden-size": "100", "--max-position-embeddings": "64",
+                                 "--global-batch-size": "8", "--lr-decay-iters": "7",
+                                 "--distributed-backend": "gloo", "--transformer-impl": "local"})
+    args = parse_args(argv, world_size=2)
+    assert args.ffn_hidden_size == 100 and args.max_position_embeddings == 64
+    assert args.global_batch_size == 8 and args.num_microbatches == 2
+    assert args.lr_decay_iters == 7
+    assert args.distributed_backend == "gloo" and args.transformer_impl == "local"
+
+
+def test_weighted_data_path_with_existing_files_parses(tmp_path: Path) -> None:
+    tmp = _scratch(tmp_path / "scratch")
+    data = tmp_path / "data"
+    data.mkdir()
+    for prefix in ("a", "b"):
+        for suffix in (".bin", ".idx"):
+            (data / (prefix + suffix)).write_bytes(b"")
+    argv = build_argv(tmp, drop=("--mock-data",),
+                      set_={"--data-path": ["0.3", str(data / "a"), "0.7", str(data / "b")]})
+    args = parse_args(argv, world_size=1)
+    assert args.data_path == ["0.3", str(data / "a"), "0.7", str(data / "b")]
+    assert not args.mock_data
+
+
+def test_load_missing_directory_is_fine(tmp_path: Path) -> None:
+    """Megatron starts from scratch when --load has no checkpoint (unless --exit-on-missing-checkpoint)."""
+    tmp = _scratch(tmp_path)
+    args = parse_args(build_argv(tmp, set_={"--load": "{tmp}/nothing_here"}), world_size=1)
+    assert args.load == str(tmp / "nothing_here")
+    _assert_nothing_created(tmp)
