@@ -1,0 +1,97 @@
+"""Checkpoints that fail verification are rejected by every rank together, quarantined, and never
+loaded; a checkpoint that verifies but does not fit the model stops the run instead of a silent
+fresh start; the checkpoint tool tells the same story without training."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests import launch
+
+pytestmark = pytest.mark.slow
+
+
+def _train_args(save, iters: int, extra=()) -> list[str]:
+    return [*launch.TINY_MODEL, *launch.TINY_TRAINING, "--train-iters", str(iters),
+            "--save", str(save), "--load", str(save), "--save-interval", "2", *extra]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """iter_0000002 and iter_0000004, tracker at 4."""
+    root = tmp_path_factory.mktemp("trained") / "ckpt"
+    result = launch.run(_train_args(root, 4))
+    assert result.returncode == 0, result.stdout[-3000:]
+    return root
+
+
+def _flip_byte(path, offset: int = 1000) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def _tool(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "megatron_resil.tools.ckpt", *map(str, args)],
+                          env=launch.env(), cwd=launch.REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_flipped_bit_in_a_shard_is_rejected_quarantined_and_the_run_falls_back(trained, tmp_path):
+    root = tmp_path / "ckpt"
+    shutil.copytree(trained, root)
+    _flip_byte(root / "iter_0000004" / "__1_0.distcp")
+
+    which = _tool("which", root)
+    assert which.returncode == 0
+    assert "would reject iteration 4" in which.stdout and "fails its checksum" in which.stdout
+    assert "would load iteration 2" in which.stdout
+
+    result = launch.run(_train_args(root, 3))
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "[resil] load: rejected persistent iteration 4" in result.stdout
+    assert "__1_0.distcp fails its checksum" in result.stdout
+    assert "successfully loaded checkpoint from" in result.stdout and "at iteration 2" in result.stdout
+    quarantined = list(root.glob("iter_0000004.quarantined.checksum.*"))
+    assert len(quarantined) == 1, list(root.iterdir())
+    assert "fails its checksum" in (quarantined[0] / "QUARANTINE_REASON.txt").read_text()
+    listing = _tool("list", root).stdout
+    assert "quarantined iter_0000004.quarantined.checksum" in listing
+
+
+def test_checkpoints_present_but_none_loadable_refuses_a_fresh_start(trained, tmp_path):
+    root = tmp_path / "ckpt"
+    shutil.copytree(trained, root)
+    for iteration in (2, 4):
+        shard = root / f"iter_{iteration:07d}" / "__0_0.distcp"
+        with open(shard, "r+b") as f:
+            f.truncate(shard.stat().st_size // 2)
+    assert _tool("verify", root).returncode == 1
+
+    result = launch.run(_train_args(root, 6))
+    assert result.returncode != 0
+    assert "refusing to start from scratch" in result.stdout
+    assert "exitcode  : 3" in result.stdout
+    assert "training from iteration" not in result.stdout
+    # Nothing was deleted: both are kept, renamed, for a human to look at.
+    assert len(list(root.glob("iter_*.quarantined.truncated.*"))) == 2
+    assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+
+
+def test_a_checkpoint_that_does_not_fit_the_model_stops_the_run_and_keeps_it(trained, tmp_path):
+    root = tmp_path / "ckpt"
+    shutil.copytree(trained, root)
+    args = _train_args(root, 6)
+    args[args.index("--hidden-size") + 1] = "128"
+    result = launch.run(args)
+    assert result.returncode != 0
+    assert "passed verification but does not load into this model" in result.stdout
+    assert "Global shape mismatch" in result.stdout
+    assert "exitcode  : 3" in result.stdout
+    assert sorted(p.name for p in root.glob("iter_*")) == ["iter_0000002", "iter_0000004"]
+    assert _tool("verify", root).returncode == 0
