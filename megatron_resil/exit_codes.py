@@ -4,3 +4,5 @@ FINISHED = 0  # training reached --train-iters, or a requested stop (--exit-inte
 BAD_ARGUMENTS = 2  # the command line is wrong; fix it, do not requeue
 NO_CHECKPOINT = 3  # --exit-on-missing-checkpoint and nothing loadable under --load; do not requeue
 SAVE_FAILED = 4  # a checkpoint could not be written (I/O error); the previous one is intact
+SIGNAL_SAVED = 5  # --exit-signal arrived; a checkpoint was saved; requeue to continue
+SIGNAL_DEADLINE = 6  # --exit-signal arrived but the save missed --exit-signal-grace-secs; previous one intact

@@ -1,15 +1,24 @@
-"""Requested stops that save first: --exit-interval and --exit-duration-in-mins, as in Megatron.
+"""Requested stops that save first: --exit-interval and --exit-duration-in-mins (as in Megatron), and
+--exit-signal-handler's signal.
 
-Checked once per iteration; the duration is judged on rank 0's clock and shared, so every rank
-stops at the same iteration.
+Checked once per iteration. The duration is judged on rank 0's clock and a signal on any rank counts
+for all, each shared by one collective, so every rank stops at the same iteration.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass
 
-from megatron_resil import parallel
+from megatron_resil import exit_codes, parallel
+from megatron_resil.signal_handler import ExitSignalHandler
+
+
+@dataclass(frozen=True)
+class Stop:
+    reason: str
+    exit_code: int
 
 
 class StopConditions:
@@ -17,13 +26,21 @@ class StopConditions:
         self.exit_interval = args.exit_interval
         self.deadline = (time.monotonic() + 60.0 * args.exit_duration_in_mins
                          if args.exit_duration_in_mins else None)
+        self.signals = None
+        if args.exit_signal_handler:
+            self.signals = ExitSignalHandler(args.exit_signal, args.exit_signal_grace_secs)
+            self.signals.install()
 
-    def reason_to_stop(self, iteration: int) -> str | None:
+    def check(self, iteration: int) -> Stop | None:
+        if self.signals is not None and parallel.any_rank(self.signals.received):
+            return Stop(f"{self.signals.signal_name} received (on at least one rank) by iteration "
+                        f"{iteration}", exit_codes.SIGNAL_SAVED)
         if self.exit_interval and iteration % self.exit_interval == 0:
-            return f"--exit-interval {self.exit_interval} reached at iteration {iteration}"
+            return Stop(f"--exit-interval {self.exit_interval} reached at iteration {iteration}",
+                        exit_codes.FINISHED)
         if self.deadline is not None:
             expired = parallel.broadcast_object(time.monotonic() >= self.deadline
                                                 if parallel.is_rank0() else None)
             if expired:
-                return f"--exit-duration-in-mins elapsed at iteration {iteration}"
+                return Stop(f"--exit-duration-in-mins elapsed at iteration {iteration}", exit_codes.FINISHED)
         return None

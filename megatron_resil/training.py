@@ -43,7 +43,7 @@ def pretrain(args: argparse.Namespace) -> int:
 
 def train(args, model, optimizer, scheduler, checkpoints, progress: TrainProgress,
           train_ds, valid_ds) -> int:
-    logger, stops = TrainLogger(args), StopConditions(args)
+    logger, stops, stop = TrainLogger(args), StopConditions(args), None
     events.print_rank_0(f"training from iteration {progress.iteration} to {args.train_iters}")
     while progress.iteration < args.train_iters:
         loss, grad_norm = train_step(args, model, optimizer, scheduler, train_ds, progress)
@@ -57,13 +57,13 @@ def train(args, model, optimizer, scheduler, checkpoints, progress: TrainProgres
         if checkpoints.save_due(progress.iteration):
             checkpoints.save(progress)
             logger.restart_interval()
-        reason = stops.reason_to_stop(progress.iteration)
-        if reason is not None:
-            events.decision("exit", f"{reason}; saving and exiting with code {exit_codes.FINISHED}")
+        stop = stops.check(progress.iteration)
+        if stop is not None:
+            events.decision("exit", f"{stop.reason}; saving and exiting with code {stop.exit_code}")
             break
     checkpoints.save(progress)
     logger.close()
-    return exit_codes.FINISHED
+    return stop.exit_code if stop is not None else exit_codes.FINISHED
 
 
 def _batch_loss(args, model, dataset, consumed: int, microbatch: int) -> torch.Tensor:

@@ -12,11 +12,19 @@ import os
 import sys
 from collections.abc import Sequence
 
-from megatron_resil.arguments import checkpointing, data, distributed, logging_args, model, training
+from megatron_resil.arguments import (
+    checkpointing,
+    data,
+    distributed,
+    logging_args,
+    model,
+    signals,
+    training,
+)
 from megatron_resil.arguments.errors import ArgumentError
 
 # Order matters only for --help readability; validation order follows dependencies.
-_GROUPS = (model, training, data, distributed, checkpointing, logging_args)
+_GROUPS = (model, training, data, distributed, checkpointing, signals, logging_args)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -7,12 +7,16 @@ published one, newest first. Leftovers of interrupted saves are cleaned at start
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import shutil
+import signal
+from multiprocessing.managers import SyncManager
 
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelSaveStrategyWrapper,
 )
@@ -108,6 +112,7 @@ class TorchDistTier(CheckpointTier):
 
     # ---- save side -------------------------------------------------------------------------
     def save(self, sharded_state: dict, iteration: int) -> str:
+        _ensure_signal_proof_write_queue()
         staging = self._on_rank0(lambda: _make_staging(self.root, iteration),
                                  f"create a staging directory in {self.root}")
         strategy = get_default_save_sharded_strategy(FORMAT)
@@ -169,6 +174,27 @@ class TorchDistTier(CheckpointTier):
                 os.remove(path)
                 events.decision("cleanup", f"removed {path}: interrupted tracker update")
         _barrier()
+
+
+def _ignore_termination_signals() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _ensure_signal_proof_write_queue() -> None:
+    """megatron-core's torch_dist writer reports through a queue served by a spawned Manager process.
+    A preemption signals every process of the job, and a Manager with default handlers dies at once,
+    breaking the very save that --exit-signal-handler asked for. Start it ourselves, deaf to SIGTERM
+    and SIGINT (it exits with this process), and hand it to megatron-core."""
+    if getattr(filesystem_async, "_results_queue", "absent") is not None:
+        return  # already created, or this megatron-core has no such queue
+    manager = SyncManager(ctx=mp.get_context("spawn"))
+    manager.start(initializer=_ignore_termination_signals)
+    filesystem_async._results_queue = manager.Queue()
+    _MANAGERS.append(manager)  # keep it alive for the life of the process
+
+
+_MANAGERS: list[SyncManager] = []
 
 
 def _checksum_own_shards(staging: str) -> dict:

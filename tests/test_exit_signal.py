@@ -1,0 +1,85 @@
+"""Preemption: SIGTERM to the whole job (as Slurm and torchrun send it) saves a checkpoint and exits
+with code 5; a signal mid-save or twice still leaves only complete checkpoints; a missed grace deadline
+exits with code 6 and the previous checkpoint intact."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from megatron_resil.checkpointing import layout
+from megatron_resil.checkpointing.manifest import verify_manifest
+from megatron_resil.checkpointing.tracker import read_tracker
+from tests import launch
+
+pytestmark = pytest.mark.slow
+
+
+def _args(save, iters=100000, extra=()) -> list[str]:
+    return [*launch.TINY_MODEL, *launch.TINY_TRAINING, "--train-iters", str(iters), "--log-interval", "5",
+            "--save", str(save), "--load", str(save), "--exit-signal-handler", *extra]
+
+
+def _wait_for(predicate, timeout: float = 180.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def _signal_job(proc, times: int = 1) -> str:
+    for _ in range(times):
+        os.killpg(proc.pid, signal.SIGTERM)
+        time.sleep(0.2)
+    proc.wait(timeout=180)
+
+
+def _assert_only_complete_checkpoints(root) -> int:
+    for iteration in layout.published_iterations(str(root)):
+        assert verify_manifest(str(layout.iteration_dir(str(root), iteration)), iteration) is None
+    tracked = read_tracker(str(root)).iteration
+    assert tracked in layout.published_iterations(str(root))
+    return tracked
+
+
+def test_sigterm_twice_saves_at_the_current_iteration_and_the_run_resumes(tmp_path):
+    root, log = tmp_path / "ckpt", tmp_path / "run1.log"
+    proc = launch.start(_args(root, extra=["--save-interval", "4"]), log_path=log)
+    _wait_for(lambda: (root / "latest_checkpointed_iteration.txt").exists(), what="first checkpoint")
+    _signal_job(proc, times=2)
+    out = log.read_text()
+    # torchrun, signalled too, reports only its own SignalException: our line carries the code.
+    assert "[resil] exit: SIGTERM received" in out and "exiting with code 5" in out
+    stopped_at = _assert_only_complete_checkpoints(root)
+    assert f"successfully saved checkpoint from iteration {stopped_at:7d}" in out
+
+    resumed = launch.run(_args(root, iters=stopped_at + 2, extra=["--save-interval", "4"]))
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert f"at iteration {stopped_at}" in resumed.stdout
+    assert read_tracker(str(root)).iteration == stopped_at + 2
+
+
+def test_sigterm_during_a_save_lets_that_save_finish(tmp_path):
+    root, log = tmp_path / "ckpt", tmp_path / "run.log"
+    proc = launch.start(_args(root, extra=["--save-interval", "3"]), log_path=log)
+    _wait_for(lambda: (root / "latest_checkpointed_iteration.txt").exists(), what="first checkpoint")
+    _wait_for(lambda: layout.leftovers(str(root))["staging"], what="a save in flight")
+    _signal_job(proc)
+    out = log.read_text()
+    assert "exiting with code 5" in out, out[-3000:]
+    _assert_only_complete_checkpoints(root)
+    assert not layout.leftovers(str(root))["staging"]
+
+
+def test_missed_grace_deadline_exits_6_and_keeps_the_previous_checkpoint(tmp_path):
+    root, log = tmp_path / "ckpt", tmp_path / "run.log"
+    proc = launch.start(_args(root, extra=["--save-interval", "4", "--exit-signal-grace-secs", "0.05"]),
+                        log_path=log)
+    _wait_for(lambda: (root / "latest_checkpointed_iteration.txt").exists(), what="first checkpoint")
+    _signal_job(proc)
+    out = log.read_text()
+    assert "grace period of 0.05s elapsed" in out and "exiting with code 6" in out, out[-3000:]
+    _assert_only_complete_checkpoints(root)
