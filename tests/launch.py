@@ -30,7 +30,7 @@ def env() -> dict[str, str]:
 
 def torchrun_cmd(args: list[str], nproc: int = 2) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-            f"--nproc-per-node", str(nproc), PRETRAIN, *args]
+            "--nproc-per-node", str(nproc), PRETRAIN, *args]
 
 
 def run(args: list[str], nproc: int = 2, timeout: float = 240) -> subprocess.CompletedProcess:

@@ -103,6 +103,11 @@ BAD = {c.id: c for c in [
          names=("--vocab-size", "NullTokenizer")),
     Case("wsd-without-wsd-decay-iters", set_={"--lr-decay-style": "WSD"},
          names=("--lr-wsd-decay-iters",)),
+    Case("warmup-as-long-as-decay", set_={"--lr-warmup-iters": "10"}, names=("--lr-warmup-iters",)),
+    Case("exit-signal-unknown", set_={"--exit-signal": "SIGNOPE"}, names=("--exit-signal",)),
+    Case("exit-signal-uncatchable", set_={"--exit-signal": "SIGKILL"}, names=("--exit-signal",)),
+    Case("grace-without-handler", set_={"--exit-signal-grace-secs": "5"},
+         names=("--exit-signal-grace-secs",)),
     Case("min-lr-above-lr", set_={"--min-lr": "1e-2"}, names=("--min-lr", "--lr")),
     # Beyond the brief: more flags a user gets wrong.
     Case("non-integer-value", set_={"--num-layers": "two"}, names=("--num-layers",)),

@@ -55,8 +55,11 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         args.lr_decay_iters = args.train_iters
     if args.lr_decay_style == "WSD" and args.lr_wsd_decay_iters is None:
         raise ArgumentError("--lr-decay-style WSD needs --lr-wsd-decay-iters")
-    if args.lr_warmup_iters < 0 or args.lr_warmup_iters > args.lr_decay_iters:
-        raise ArgumentError("--lr-warmup-iters must be between 0 and --lr-decay-iters")
+    if args.lr_warmup_iters < 0:
+        raise ArgumentError("--lr-warmup-iters must not be negative")
+    if args.lr_warmup_iters >= args.lr_decay_iters:  # megatron-core's scheduler requires this
+        raise ArgumentError(f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --lr-decay-iters "
+                            f"{args.lr_decay_iters} (default: --train-iters)")
     if args.eval_interval is not None and args.eval_interval <= 0:
         raise ArgumentError("--eval-interval must be positive")
     if args.eval_iters < 0:
