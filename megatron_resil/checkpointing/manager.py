@@ -18,7 +18,7 @@ from megatron_resil import events, exit_codes, parallel
 from megatron_resil.checkpointing import layout, loader, state
 from megatron_resil.checkpointing.retention import apply_retention
 from megatron_resil.checkpointing.tier import TierCandidate
-from megatron_resil.checkpointing.torch_dist_tier import TorchDistTier
+from megatron_resil.checkpointing.torch_dist_tier import TorchDistTier, prepare_for_saving
 from megatron_resil.checkpointing.tracker import tracker_path
 from megatron_resil.progress import TrainProgress
 
@@ -59,6 +59,7 @@ class CheckpointManager:
         self._load_optim, self._load_rng = config.load_optim, config.load_rng
         if self.save_tier is not None:
             self.save_tier.startup_cleanup()
+            prepare_for_saving()
 
     # ---- load ----------------------------------------------------------------------------------
     def load(self) -> TrainProgress:

@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
+import threading
 from multiprocessing.managers import SyncManager
 
 import torch.distributed as dist
@@ -181,7 +182,7 @@ def _ignore_termination_signals() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _ensure_signal_proof_write_queue() -> None:
+def _start_write_queue() -> None:
     """megatron-core's torch_dist writer reports through a queue served by a spawned Manager process.
     A preemption signals every process of the job, and a Manager with default handlers dies at once,
     breaking the very save that --exit-signal-handler asked for. Start it ourselves, deaf to SIGTERM
@@ -195,6 +196,22 @@ def _ensure_signal_proof_write_queue() -> None:
 
 
 _MANAGERS: list[SyncManager] = []
+_queue_starter: threading.Thread | None = None
+
+
+def prepare_for_saving() -> None:
+    """Start the writer's helper process in the background (it takes seconds: a fresh interpreter),
+    so the first save does not wait for it."""
+    global _queue_starter
+    if _queue_starter is None:
+        _queue_starter = threading.Thread(target=_start_write_queue, name="ckpt-write-queue", daemon=True)
+        _queue_starter.start()
+
+
+def _ensure_signal_proof_write_queue() -> None:
+    prepare_for_saving()
+    _queue_starter.join()
+    _start_write_queue()  # no-op if the background start succeeded; raises here if it failed
 
 
 def _checksum_own_shards(staging: str) -> dict:
