@@ -40,7 +40,9 @@ def run(args: list[str], nproc: int = 2, timeout: float = 240) -> subprocess.Com
 
 
 def start(args: list[str], nproc: int = 2, log_path: Path | None = None) -> subprocess.Popen:
-    """Start in its own session (so the whole process group can be killed) with output to a file."""
+    """Start torchrun in its own session, output to a file. Signalling that group reaches only the
+    agent (torchrun puts each rank in a session of its own); the agent forwards SIGTERM to the ranks.
+    To kill the ranks too, kill them by pid (see test_crash_consistency._kill_run)."""
     out = open(log_path, "w") if log_path else subprocess.DEVNULL
     return subprocess.Popen(torchrun_cmd(args, nproc), env=env(), cwd=REPO, stdout=out,
                             stderr=subprocess.STDOUT, start_new_session=True)

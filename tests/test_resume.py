@@ -321,8 +321,8 @@ def test_leftovers_of_interrupted_saves_are_removed_and_never_loaded(dp2_job):
     cleanup = [line for line in _resil_lines(out) if line.startswith("[resil] cleanup:")]
     assert cleanup == [
         f"[resil] cleanup: removed {debris['deleting']}: interrupted retention deletion",
-        f"[resil] cleanup: removed {debris['staging']}: incomplete save interrupted before publish; "
-        "never loaded",
+        f"[resil] cleanup: removed {debris['staging']}: leftover of a save interrupted before it was "
+        "published; never loaded",
         f"[resil] cleanup: removed {debris['tracker_tmp']}: interrupted tracker update",
     ]
     assert not any(path.exists() for path in debris.values())

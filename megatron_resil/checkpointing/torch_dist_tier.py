@@ -169,8 +169,8 @@ class TorchDistTier(CheckpointTier):
                 events.decision("cleanup", f"removed {path}: interrupted retention deletion")
             for path in found["staging"]:
                 shutil.rmtree(path, ignore_errors=True)
-                events.decision("cleanup", f"removed {path}: incomplete save interrupted before publish; "
-                                "never loaded")
+                events.decision("cleanup", f"removed {path}: leftover of a save interrupted before it "
+                                "was published; never loaded")
             for path in found["tracker_tmp"]:
                 os.remove(path)
                 events.decision("cleanup", f"removed {path}: interrupted tracker update")
