@@ -1,6 +1,7 @@
-"""Preemption: SIGTERM to the whole job (as Slurm and torchrun send it) saves a checkpoint and exits
-with code 5; a signal mid-save or twice still leaves only complete checkpoints; a missed grace deadline
-exits with code 6 and the previous checkpoint intact."""
+"""Stops that save first. Preemption: SIGTERM to the job (as Slurm and torchrun send it) saves a
+checkpoint and exits with code 5; a signal mid-save or twice still leaves only complete checkpoints; a
+missed grace deadline exits with code 6 and the previous checkpoint intact; --exit-duration-in-mins saves
+and exits 0."""
 
 from __future__ import annotations
 
@@ -82,4 +83,15 @@ def test_missed_grace_deadline_exits_6_and_keeps_the_previous_checkpoint(tmp_pat
     _signal_job(proc)
     out = log.read_text()
     assert "grace period of 0.05s elapsed" in out and "exiting with code 6" in out, out[-3000:]
+    _assert_only_complete_checkpoints(root)
+
+
+def test_exit_duration_saves_and_exits_cleanly(tmp_path):
+    root = tmp_path / "ckpt"
+    # 0.0001 minutes have passed by the end of the first iteration.
+    result = launch.run(_args(root, iters=50, extra=["--exit-duration-in-mins", "0.0001"]))
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "[resil] exit: --exit-duration-in-mins elapsed at iteration 1; saving and exiting with code 0" \
+        in result.stdout
+    assert read_tracker(str(root)).iteration == 1
     _assert_only_complete_checkpoints(root)
