@@ -59,10 +59,15 @@ class CheckpointManager:
         self._load_optim, self._load_rng = config.load_optim, config.load_rng
         if self.save_tier is not None:
             self.save_tier.startup_cleanup()
-            prepare_for_saving()
 
     # ---- load ----------------------------------------------------------------------------------
     def load(self) -> TrainProgress:
+        progress = self._load()
+        if self.save_tier is not None:
+            prepare_for_saving()  # training will start: get the writer's helper process going now
+        return progress
+
+    def _load(self) -> TrainProgress:
         if self.config.load is None:
             return TrainProgress()
         tiers = [TorchDistTier(self.config.load, verify_checksums=self.config.verify_checksums)]
