@@ -123,7 +123,7 @@ class SaveStepTimer:
     whatever is not wrapped shows up as "other".
     """
 
-    TIER_STEPS = ("_ensure_signal_proof_write_queue", "_make_staging", "get_default_save_sharded_strategy",
+    TIER_STEPS = ("_make_staging", "get_default_save_sharded_strategy",
                   "_checksum_own_shards", "_gather", "_barrier", "fsync_tree", "fsync_dir", "write_manifest",
                   "publish_directory", "write_tracker", "checksum_files")
     COLLECTIVES = ("barrier", "all_gather_object", "broadcast_object_list", "all_reduce", "broadcast_object",

@@ -7,15 +7,27 @@ VENV="${RESIL_VENV:-$ROOT/.venv}"
 PY="${PYTHON:-python3}"
 STAMP="$VENV/.megatron-resil-$(sha1sum "$ROOT/setup.py" | cut -c1-12)"
 
+# Chained with && because errexit does not apply inside a function whose status is tested.
+install() {
+  local pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+  { [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"; } &&
+    "${pip[@]}" --upgrade pip &&
+    # torch first and pinned, so no dependency can pull the multi-GB CUDA build on a CPU machine.
+    "${pip[@]}" "torch==2.13.0" &&
+    "${pip[@]}" -e "$ROOT[test]"
+}
+
 if [ ! -f "$STAMP" ]; then
-  echo "[setup] creating $VENV (torch 2.13.0 CPU build first, then megatron-resil[test])"
-  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip
-  # torch first and pinned, so no dependency can pull the multi-GB CUDA build on a CPU machine.
-  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
-  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e "$ROOT[test]"
-  rm -f "$VENV"/.megatron-resil-*
+  echo "[setup] creating $VENV (torch 2.13.0 CPU build first, then megatron-resil[test]) ..."
+  LOG="$(mktemp -t megatron-resil-setup.XXXXXX.log)"
+  if ! install > "$LOG" 2>&1; then
+    echo "[setup] failed; the last lines of $LOG:" >&2
+    tail -n 30 "$LOG" >&2
+    exit 1
+  fi
+  rm -f "$VENV"/.megatron-resil-* "$LOG"
   touch "$STAMP"
+  echo "[setup] done"
 fi
 export PATH="$VENV/bin:$PATH"
 # NVRx and megatron-core warn on import about pynvml, Apex and TE on CPU hosts: harmless noise.

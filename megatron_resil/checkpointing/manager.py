@@ -16,9 +16,10 @@ from megatron.core import dist_checkpointing, parallel_state
 
 from megatron_resil import events, exit_codes, parallel
 from megatron_resil.checkpointing import layout, loader, state
+from megatron_resil.checkpointing.dcp_writer import prepare_for_saving
 from megatron_resil.checkpointing.retention import apply_retention
 from megatron_resil.checkpointing.tier import TierCandidate
-from megatron_resil.checkpointing.torch_dist_tier import TorchDistTier, prepare_for_saving
+from megatron_resil.checkpointing.torch_dist_tier import TorchDistTier
 from megatron_resil.checkpointing.tracker import tracker_path
 from megatron_resil.progress import TrainProgress
 

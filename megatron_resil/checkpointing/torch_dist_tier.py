@@ -7,26 +7,18 @@ published one, newest first. Leftovers of interrupted saves are cleaned at start
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import multiprocessing as mp
 import os
 import shutil
-import signal
-import threading
-from multiprocessing.managers import SyncManager
 
-import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
-from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelSaveStrategyWrapper,
 )
 
 from megatron_resil import events, parallel
-from megatron_resil.checkpointing import layout
+from megatron_resil.checkpointing import dcp_writer, layout
 from megatron_resil.checkpointing.atomic import fsync_dir, fsync_tree, publish_directory
 from megatron_resil.checkpointing.manifest import (
     checksum_files,
@@ -116,7 +108,7 @@ class TorchDistTier(CheckpointTier):
 
     # ---- save side -------------------------------------------------------------------------
     def save(self, sharded_state: dict, iteration: int) -> str:
-        _ensure_signal_proof_write_queue()
+        dcp_writer.ensure_write_queue()
         staging = self._on_rank0(lambda: _make_staging(self.root, iteration),
                                  f"create a staging directory in {self.root}")
         strategy = get_default_save_sharded_strategy(FORMAT)
@@ -124,7 +116,7 @@ class TorchDistTier(CheckpointTier):
             # Spread replicated tensors over data-parallel ranks, as Megatron does by default.
             strategy = FullyParallelSaveStrategyWrapper(
                 strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
-        with _without_torch_record_crc():
+        with dcp_writer.without_torch_record_crc():
             dist_checkpointing.save(sharded_state, staging, sharded_strategy=strategy)
         checksums = _gather(_checksum_own_shards(staging))
         final = layout.iteration_dir(self.root, iteration)
@@ -179,64 +171,6 @@ class TorchDistTier(CheckpointTier):
                 os.remove(path)
                 events.decision("cleanup", f"removed {path}: interrupted tracker update")
         _barrier()
-
-
-@contextlib.contextmanager
-def _without_torch_record_crc():
-    """torch.save computes a CRC32 for every zip record, which nothing in the load path checks
-    (torch.load does not); our manifest's CRC32 covers the same bytes. Skipping torch's saves ~15% of
-    the save time (BENCHMARKS.md). Restored afterwards, so other torch.save calls are unaffected."""
-    serialization = torch.serialization
-    if not hasattr(serialization, "set_crc32_options"):
-        yield
-        return
-    previous = serialization.get_crc32_options()
-    serialization.set_crc32_options(False)
-    try:
-        yield
-    finally:
-        serialization.set_crc32_options(previous)
-
-
-def _ignore_termination_signals() -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def _start_write_queue() -> None:
-    """megatron-core's torch_dist writer reports through a queue served by a spawned Manager process.
-    A preemption signals every process of the job, and a Manager with default handlers dies at once,
-    breaking the very save that --exit-signal-handler asked for. Start it ourselves, deaf to SIGTERM
-    and SIGINT (it exits with this process), and hand it to megatron-core."""
-    if getattr(filesystem_async, "_results_queue", "absent") is not None:
-        return  # already created, or this megatron-core has no such queue
-    manager = SyncManager(ctx=mp.get_context("spawn"))
-    manager.start(initializer=_ignore_termination_signals)
-    filesystem_async._results_queue = manager.Queue()
-    _MANAGERS.append(manager)  # keep it alive for the life of the process
-
-
-_MANAGERS: list[SyncManager] = []
-_queue_starter: threading.Thread | None = None
-
-
-def prepare_for_saving() -> None:
-    """Start the writer's helper process in the background (it takes seconds: a fresh interpreter),
-    so the first save does not wait for it."""
-    global _queue_starter
-    if _queue_starter is None:
-        _queue_starter = threading.Thread(target=_start_write_queue, name="ckpt-write-queue", daemon=True)
-        _queue_starter.start()
-        # An exit while the helper is still starting would leave multiprocessing waiting on a
-        # half-started Manager; let the start finish first (atexit runs this before multiprocessing's
-        # own exit handler, which then shuts the Manager down).
-        atexit.register(_queue_starter.join)
-
-
-def _ensure_signal_proof_write_queue() -> None:
-    prepare_for_saving()
-    _queue_starter.join()
-    _start_write_queue()  # no-op if the background start succeeded; raises here if it failed
 
 
 def _checksum_own_shards(staging: str) -> dict:
