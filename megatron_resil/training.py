@@ -54,8 +54,7 @@ def train(args, model, optimizer, scheduler, checkpoints, progress: TrainProgres
         if valid_ds is not None and args.eval_iters and progress.iteration % args.eval_interval == 0:
             logger.validation(progress.iteration, evaluate(args, model, valid_ds, progress))
             logger.restart_interval()
-        if checkpoints.save_due(progress.iteration):
-            checkpoints.save(progress)
+        if checkpoints.maybe_save(progress):
             logger.restart_interval()
         stop = stops.check(progress.iteration)
         if stop is not None:

@@ -28,6 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--finetune", action="store_true",
                    help="load model weights only; reset iteration, optimizer and RNG")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true")
+    g.add_argument("--non-persistent-ckpt-type", choices=["global", "local"], default=None,
+                   help="global: torch_dist checkpoints in --non-persistent-global-ckpt-dir, only the "
+                        "newest kept")
+    g.add_argument("--non-persistent-save-interval", type=int, default=None)
+    g.add_argument("--non-persistent-global-ckpt-dir", default=None, help="default: <save>/non_persistent")
     g.add_argument("--ckpt-skip-checksums", action="store_true",
                    help="do not verify file checksums on load (sizes and the manifest still are)")
 
@@ -69,5 +74,24 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
             raise ArgumentError("--save-retain-interval must be positive")
     if args.ckpt_keep_last is not None and args.ckpt_keep_last < 1:
         raise ArgumentError("--ckpt-keep-last must be at least 1")
+    _validate_non_persistent(args)
     if args.exit_on_missing_checkpoint and args.load is None:
         raise ArgumentError("--exit-on-missing-checkpoint needs --load DIR")
+
+
+def _validate_non_persistent(args: argparse.Namespace) -> None:
+    if args.non_persistent_ckpt_type == "local":
+        raise ArgumentError("--non-persistent-ckpt-type local is not implemented yet; use global")
+    if args.non_persistent_save_interval is not None:
+        if args.non_persistent_ckpt_type is None:
+            raise ArgumentError("--non-persistent-save-interval needs --non-persistent-ckpt-type global")
+        if args.non_persistent_save_interval <= 0:
+            raise ArgumentError("--non-persistent-save-interval must be positive")
+    if args.non_persistent_ckpt_type == "global":
+        if args.non_persistent_global_ckpt_dir is None:
+            if args.save is None:
+                raise ArgumentError("--non-persistent-ckpt-type global needs --save or "
+                                    "--non-persistent-global-ckpt-dir")
+            args.non_persistent_global_ckpt_dir = os.path.join(args.save, "non_persistent")
+        _check_dir_flag("--non-persistent-global-ckpt-dir", args.non_persistent_global_ckpt_dir)
+        _check_writable("--non-persistent-global-ckpt-dir", args.non_persistent_global_ckpt_dir)

@@ -51,28 +51,37 @@ def _one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {first_line}"
 
 
+def _newest_first(tiers: list[CheckpointTier]):
+    """Merge the tiers' lists by iteration, newest first, keeping each tier's own order (its tracker's
+    pick first) and, at equal iterations, the order of `tiers` (most trusted first)."""
+    queues = [(tier, list(tier.candidates())) for tier in tiers]
+    while any(candidates for _, candidates in queues):
+        tier, candidates = max((q for q in queues if q[1]), key=lambda q: q[1][0].iteration)
+        yield tier, candidates.pop(0)
+
+
 def load_first_verified(tiers: list[CheckpointTier],
                         make_template: Callable[[TierCandidate], dict]) -> LoadResult | None:
-    for tier in tiers:
-        for candidate in tier.candidates():
-            where = f"{candidate.tier} iteration {candidate.iteration} ({candidate.path})"
-            reason = tier.verify(candidate)
-            if not parallel.all_ranks_agree(reason is None):
-                why = _summarise(_gather_reasons(reason))
-                events.decision("load", f"rejected {where}: {why}")
-                tier.quarantine(candidate, why)
-                continue
-            try:
-                state = tier.load(candidate, make_template(candidate))
-                failure = None
-            # Reported collectively below, so no rank is left waiting. torch's DCP raises
-            # CheckpointException, a BaseException.
-            except (Exception, CheckpointException) as err:
-                state, failure = None, _one_line(err)
-            if not parallel.all_ranks_agree(failure is None):
-                raise CheckpointLoadError(f"{where} passed verification but does not load into this model "
-                                          f"({_summarise(_gather_reasons(failure))}); check that the "
-                                          "model and parallel flags match the run that saved it")
-            events.decision("load", f"accepted {where}: verified, {candidate.note}")
-            return LoadResult(candidate, state)
+    """`tiers` in order of trust; candidates are tried newest first across all of them."""
+    for tier, candidate in _newest_first(tiers):
+        where = f"{candidate.tier} iteration {candidate.iteration} ({candidate.path})"
+        reason = tier.verify(candidate)
+        if not parallel.all_ranks_agree(reason is None):
+            why = _summarise(_gather_reasons(reason))
+            events.decision("load", f"rejected {where}: {why}")
+            tier.quarantine(candidate, why)
+            continue
+        try:
+            state = tier.load(candidate, make_template(candidate))
+            failure = None
+        # Reported collectively below, so no rank is left waiting. torch's DCP raises
+        # CheckpointException, a BaseException.
+        except (Exception, CheckpointException) as err:
+            state, failure = None, _one_line(err)
+        if not parallel.all_ranks_agree(failure is None):
+            raise CheckpointLoadError(f"{where} passed verification but does not load into this model "
+                                      f"({_summarise(_gather_reasons(failure))}); check that the "
+                                      "model and parallel flags match the run that saved it")
+        events.decision("load", f"accepted {where}: verified, {candidate.note}")
+        return LoadResult(candidate, state)
     return None

@@ -38,6 +38,8 @@ class CheckpointConfig:
     finetune: bool
     exit_on_missing_checkpoint: bool
     verify_checksums: bool
+    non_persistent_dir: str | None  # global non-persistent tier, only its newest checkpoint is kept
+    non_persistent_interval: int | None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> CheckpointConfig:
@@ -47,7 +49,10 @@ class CheckpointConfig:
                    load_optim=not args.no_load_optim and not args.finetune,
                    load_rng=not args.no_load_rng and not args.finetune, finetune=args.finetune,
                    exit_on_missing_checkpoint=args.exit_on_missing_checkpoint,
-                   verify_checksums=not args.ckpt_skip_checksums)
+                   verify_checksums=not args.ckpt_skip_checksums,
+                   non_persistent_dir=args.non_persistent_global_ckpt_dir
+                   if args.non_persistent_ckpt_type == "global" else None,
+                   non_persistent_interval=args.non_persistent_save_interval)
 
 
 class CheckpointManager:
@@ -56,10 +61,13 @@ class CheckpointManager:
         self.config = config
         self.model, self.optimizer, self.scheduler, self.args = model, optimizer, scheduler, args
         self.save_tier = TorchDistTier(config.save) if config.save else None
+        self.non_persistent_tier = (TorchDistTier(config.non_persistent_dir, name="non-persistent")
+                                    if config.non_persistent_dir else None)
         self.last_saved_iteration: int | None = None
         self._load_optim, self._load_rng = config.load_optim, config.load_rng
-        if self.save_tier is not None:
-            self.save_tier.startup_cleanup()
+        for tier in (self.save_tier, self.non_persistent_tier):
+            if tier is not None:
+                tier.startup_cleanup()
 
     # ---- load ----------------------------------------------------------------------------------
     def load(self) -> TrainProgress:
@@ -72,6 +80,9 @@ class CheckpointManager:
         if self.config.load is None:
             return TrainProgress()
         tiers = [TorchDistTier(self.config.load, verify_checksums=self.config.verify_checksums)]
+        if self.non_persistent_tier is not None:
+            self.non_persistent_tier.verify_checksums = self.config.verify_checksums
+            tiers.append(self.non_persistent_tier)  # less trusted: the persistent tier wins ties
         try:
             result = loader.load_first_verified(tiers, self._template_for)
         except loader.CheckpointLoadError as err:
@@ -80,7 +91,7 @@ class CheckpointManager:
             if self.config.exit_on_missing_checkpoint:
                 self._exit_no_checkpoint(f"no loadable checkpoint under --load {self.config.load} and "
                                          "--exit-on-missing-checkpoint is set")
-            if _holds_checkpoints(self.config.load):
+            if any(_holds_checkpoints(tier.root) for tier in tiers):
                 # Starting from scratch here would later overwrite the tracker and iter_ names.
                 self._exit_no_checkpoint(
                     f"--load {self.config.load} holds checkpoints (or quarantined ones) but none could be "
@@ -96,7 +107,8 @@ class CheckpointManager:
         events.print_rank_0(
             f"  successfully loaded checkpoint from {self.config.load} [ t 1/{tp}, p 1/1 ] "
             f"at iteration {progress.iteration} ({result.candidate.tier} tier, {result.candidate.path})")
-        if progress.iteration and _same_dir(self.config.load, self.config.save):
+        if progress.iteration and result.candidate.tier == "persistent" and \
+                _same_dir(self.config.load, self.config.save):
             self.last_saved_iteration = progress.iteration  # already on disk; don't re-save it
         return progress
 
@@ -122,23 +134,41 @@ class CheckpointManager:
             with_optimizer=self._load_optim, with_rng=self._load_rng)
 
     # ---- save ----------------------------------------------------------------------------------
-    def save_due(self, iteration: int) -> bool:
-        interval = self.config.save_interval
-        return self.save_tier is not None and bool(interval) and iteration % interval == 0
+    def maybe_save(self, progress: TrainProgress) -> bool:
+        """The interval saves: persistent when due, else non-persistent when due. True if it saved."""
+        iteration = progress.iteration
+        if self.save_tier is not None and _due(iteration, self.config.save_interval):
+            return self.save(progress)
+        if self.non_persistent_tier is not None and _due(iteration, self.config.non_persistent_interval):
+            self._save_to(self.non_persistent_tier, progress)
+            if parallel.is_rank0():  # non-persistent: only the newest is kept, as in Megatron
+                apply_retention(self.non_persistent_tier.root, keep_last=1, retain_interval=None)
+            return True
+        return False
 
-    def save(self, progress: TrainProgress) -> None:
+    def save(self, progress: TrainProgress) -> bool:
+        """A persistent save (interval, exit or end of training), unless this iteration is on disk."""
         if self.save_tier is None or self.last_saved_iteration == progress.iteration:
-            return
+            return False
+        self._save_to(self.save_tier, progress)
+        self.last_saved_iteration = progress.iteration
+        if parallel.is_rank0():
+            apply_retention(self.config.save, self.config.keep_last, self.config.save_retain_interval)
+        return True
+
+    def _save_to(self, tier: TorchDistTier, progress: TrainProgress) -> None:
         sharded = state.build_sharded_state(
             self.model, self.optimizer, self.scheduler, progress, self.args,
             with_optimizer=self.config.save_optim, with_rng=self.config.save_rng)
-        path = self.save_tier.save(sharded, progress.iteration)
-        self.last_saved_iteration = progress.iteration
+        path = tier.save(sharded, progress.iteration)
         tp = parallel_state.get_tensor_model_parallel_world_size()
-        events.print_rank_0(f"  successfully saved checkpoint from iteration {progress.iteration:7d} "
+        kind = "" if tier is self.save_tier else f"{tier.name} "
+        events.print_rank_0(f"  successfully saved {kind}checkpoint from iteration {progress.iteration:7d} "
                             f"to {os.path.dirname(path)} [ t 1/{tp}, p 1/1 ]")
-        if parallel.is_rank0():
-            apply_retention(self.config.save, self.config.keep_last, self.config.save_retain_interval)
+
+
+def _due(iteration: int, interval: int | None) -> bool:
+    return bool(interval) and iteration % interval == 0
 
 
 def _holds_checkpoints(root: str) -> bool:
