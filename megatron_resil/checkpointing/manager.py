@@ -61,8 +61,10 @@ class CheckpointManager:
         self.config = config
         self.model, self.optimizer, self.scheduler, self.args = model, optimizer, scheduler, args
         self.save_tier = TorchDistTier(config.save) if config.save else None
-        self.non_persistent_tier = (TorchDistTier(config.non_persistent_dir, name="non-persistent")
-                                    if config.non_persistent_dir else None)
+        self.non_persistent_tier = (
+            TorchDistTier(config.non_persistent_dir, name="non-persistent",
+                          verify_checksums=config.verify_checksums)
+            if config.non_persistent_dir else None)
         self.last_saved_iteration: int | None = None
         self._load_optim, self._load_rng = config.load_optim, config.load_rng
         for tier in (self.save_tier, self.non_persistent_tier):
@@ -81,7 +83,6 @@ class CheckpointManager:
             return TrainProgress()
         tiers = [TorchDistTier(self.config.load, verify_checksums=self.config.verify_checksums)]
         if self.non_persistent_tier is not None:
-            self.non_persistent_tier.verify_checksums = self.config.verify_checksums
             tiers.append(self.non_persistent_tier)  # less trusted: the persistent tier wins ties
         try:
             result = loader.load_first_verified(tiers, self._template_for)
