@@ -1,13 +1,27 @@
-"""Resiliency decisions (fallback, cleanup, retention, exit), each reported once with its reason.
-
-Printed by rank 0 as one line starting with `[resil]` so operators can grep a run's decisions.
+"""Resiliency decisions (fallback, quarantine, cleanup, retention, saves, exits), each reported once
+with its reason: one `[resil] <event>: <message>` line printed by rank 0, so operators can grep a
+run's decisions, and, when the run saves checkpoints, one JSON line appended to `<save>/events.jsonl`
+that outlives the job's console log across restarts and requeues.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import socket
 import sys
+import time
 
 from megatron_resil import parallel
+
+EVENT_LOG_NAME = "events.jsonl"
+_event_log_path: str | None = None
+
+
+def configure(save_dir: str | None) -> None:
+    """Where the JSON event log goes: beside the checkpoints, or nowhere without --save."""
+    global _event_log_path
+    _event_log_path = os.path.join(save_dir, EVENT_LOG_NAME) if save_dir else None
 
 
 def print_rank_0(message: str) -> None:
@@ -15,9 +29,26 @@ def print_rank_0(message: str) -> None:
         print(message, flush=True)
 
 
-def decision(event: str, message: str) -> None:
-    """One resiliency decision, one line: `[resil] <event>: <message>`."""
+def decision(event: str, message: str, **fields) -> None:
+    """One resiliency decision, one line: `[resil] <event>: <message>`, and one event-log record."""
     print_rank_0(f"[resil] {event}: {message}")
+    record(event, message=message, **fields)
+
+
+def record(event: str, **fields) -> None:
+    """Append one event to the JSON event log (rank 0; a no-op without --save)."""
+    if _event_log_path is None or not parallel.is_rank0():
+        return
+    entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "unix": round(time.time(), 3),
+             "event": event, "host": socket.gethostname(), "pid": os.getpid(), **fields}
+    try:
+        os.makedirs(os.path.dirname(_event_log_path), exist_ok=True)
+        # One write of one line in append mode: concurrent or interrupted writers never interleave
+        # within a line, and a torn last line is simply skipped by readers.
+        with open(_event_log_path, "a") as f:
+            f.write(json.dumps(entry, sort_keys=True) + "\n")
+    except OSError as err:  # the event log must never be the reason a run fails
+        warn(f"could not append to {_event_log_path}: {err}")
 
 
 def warn(message: str) -> None:

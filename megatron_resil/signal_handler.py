@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 
-from megatron_resil import exit_codes
+from megatron_resil import events, exit_codes
 
 
 class ExitSignalHandler:
@@ -42,8 +42,10 @@ class ExitSignalHandler:
     def _deadline(self) -> None:
         time.sleep(self.grace_secs)
         # Still alive: the save did not finish in time. Exit now; nothing partial is ever published.
-        sys.stderr.write(f"[resil] exit: {self.signal_name} grace period of {self.grace_secs:g}s elapsed "
-                         f"before the save finished; the previous checkpoint is intact; exiting with code "
-                         f"{exit_codes.SIGNAL_DEADLINE}\n")
+        message = (f"{self.signal_name} grace period of {self.grace_secs:g}s elapsed before the save "
+                   f"finished; the previous checkpoint is intact; "
+                   f"exiting with code {exit_codes.SIGNAL_DEADLINE}")
+        sys.stderr.write(f"[resil] exit: {message}\n")
         sys.stderr.flush()
+        events.record("exit", message=message, exit_code=exit_codes.SIGNAL_DEADLINE)
         os._exit(exit_codes.SIGNAL_DEADLINE)

@@ -24,6 +24,8 @@ from megatron_resil.train_log import TrainLogger
 def pretrain(args: argparse.Namespace) -> int:
     cpu_compat.apply_if_needed()
     parallel.initialize(args)
+    events.configure(args.save)
+    events.record("start", world_size=args.world_size, train_iters=args.train_iters, load=args.load)
     tokenizer = build_tokenizer(args)
     model = build_model(args, tokenizer.vocab_size)
     optimizer = Optimizer(model, args)
@@ -35,7 +37,7 @@ def pretrain(args: argparse.Namespace) -> int:
         code = train(args, model, optimizer, scheduler, checkpoints, progress, train_ds, valid_ds)
     except CheckpointSaveError as err:
         events.decision("exit", f"{err}; the previous checkpoint and tracker are intact; "
-                        f"exiting with code {exit_codes.SAVE_FAILED}")
+                        f"exiting with code {exit_codes.SAVE_FAILED}", exit_code=exit_codes.SAVE_FAILED)
         code = exit_codes.SAVE_FAILED
     parallel.shutdown()
     return code
@@ -58,11 +60,15 @@ def train(args, model, optimizer, scheduler, checkpoints, progress: TrainProgres
             logger.restart_interval()
         stop = stops.check(progress.iteration)
         if stop is not None:
-            events.decision("exit", f"{stop.reason}; saving and exiting with code {stop.exit_code}")
+            events.decision("exit", f"{stop.reason}; saving and exiting with code {stop.exit_code}",
+                            iteration=progress.iteration, exit_code=stop.exit_code)
             break
     checkpoints.save(progress)
     logger.close()
-    return stop.exit_code if stop is not None else exit_codes.FINISHED
+    if stop is None:
+        events.record("finished", iteration=progress.iteration, exit_code=exit_codes.FINISHED)
+        return exit_codes.FINISHED
+    return stop.exit_code
 
 
 def _batch_loss(args, model, dataset, consumed: int, microbatch: int) -> torch.Tensor:

@@ -5,6 +5,7 @@ and exits 0."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -56,6 +57,9 @@ def test_sigterm_twice_saves_at_the_current_iteration_and_the_run_resumes(tmp_pa
     assert "[resil] exit: SIGTERM received" in out and "exiting with code 5" in out
     stopped_at = _assert_only_complete_checkpoints(root)
     assert f"successfully saved checkpoint from iteration {stopped_at:7d}" in out
+    events = [json.loads(line) for line in (root / "events.jsonl").read_text().splitlines()]
+    exits = [e for e in events if e["event"] == "exit"]
+    assert [(e["exit_code"], e["iteration"]) for e in exits] == [(5, stopped_at)]
 
     resumed = launch.run(_args(root, iters=stopped_at + 2, extra=["--save-interval", "4"]))
     assert resumed.returncode == 0, resumed.stdout[-3000:]
@@ -83,6 +87,8 @@ def test_missed_grace_deadline_exits_6_and_keeps_the_previous_checkpoint(tmp_pat
     _signal_job(proc)
     out = log.read_text()
     assert "grace period of 0.05s elapsed" in out and "exiting with code 6" in out, out[-3000:]
+    events = [json.loads(line) for line in (root / "events.jsonl").read_text().splitlines()]
+    assert [e["exit_code"] for e in events if e["event"] == "exit"][-1] == 6
     _assert_only_complete_checkpoints(root)
 
 

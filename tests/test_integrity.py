@@ -4,6 +4,7 @@ fresh start; the checkpoint tool tells the same story without training."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -62,6 +63,18 @@ def test_flipped_bit_in_a_shard_is_rejected_quarantined_and_the_run_falls_back(t
     assert "fails its checksum" in (quarantined[0] / "QUARANTINE_REASON.txt").read_text()
     listing = _tool("list", root).stdout
     assert "quarantined iter_0000004.quarantined.checksum" in listing
+
+    # The same decisions, machine-readable, in the event log beside the checkpoints.
+    log = [json.loads(line) for line in (root / "events.jsonl").read_text().splitlines()]
+    this_run = log[max(i for i, e in enumerate(log) if e["event"] == "start"):]
+    decisions = [(e["event"], e.get("verdict"), e.get("iteration")) for e in this_run
+                 if e["event"] in ("load", "quarantine", "loaded")]
+    assert decisions == [("load", "rejected", 4), ("quarantine", None, 4), ("load", "accepted", 2),
+                         ("loaded", None, 2)]
+    quarantine = next(e for e in this_run if e["event"] == "quarantine")
+    assert "fails its checksum" in quarantine["reason"]
+    assert [e["iteration"] for e in this_run if e["event"] == "save_published"] == [3]
+    assert this_run[-1]["event"] == "finished"
 
 
 def test_checkpoints_present_but_none_loadable_refuses_a_fresh_start(trained, tmp_path):

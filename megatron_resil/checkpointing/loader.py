@@ -68,7 +68,8 @@ def load_first_verified(tiers: list[CheckpointTier],
         reason = tier.verify(candidate)
         if not parallel.all_ranks_agree(reason is None):
             why = _summarise(_gather_reasons(reason))
-            events.decision("load", f"rejected {where}: {why}")
+            events.decision("load", f"rejected {where}: {why}", verdict="rejected", tier=candidate.tier,
+                            iteration=candidate.iteration, path=candidate.path, reason=why)
             tier.quarantine(candidate, why)
             continue
         try:
@@ -82,6 +83,7 @@ def load_first_verified(tiers: list[CheckpointTier],
             raise CheckpointLoadError(f"{where} passed verification but does not load into this model "
                                       f"({_summarise(_gather_reasons(failure))}); check that the "
                                       "model and parallel flags match the run that saved it")
-        events.decision("load", f"accepted {where}: verified, {candidate.note}")
+        events.decision("load", f"accepted {where}: verified, {candidate.note}", verdict="accepted",
+                        tier=candidate.tier, iteration=candidate.iteration, path=candidate.path)
         return LoadResult(candidate, state)
     return None

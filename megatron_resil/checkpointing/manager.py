@@ -105,6 +105,8 @@ class CheckpointManager:
                                  load_optimizer=self._load_optim, load_rng=self._load_rng,
                                  finetune=self.config.finetune)
         tp = parallel_state.get_tensor_model_parallel_world_size()
+        events.record("loaded", tier=result.candidate.tier, iteration=progress.iteration,
+                      path=result.candidate.path)
         events.print_rank_0(
             f"  successfully loaded checkpoint from {self.config.load} [ t 1/{tp}, p 1/1 ] "
             f"at iteration {progress.iteration} ({result.candidate.tier} tier, {result.candidate.path})")
@@ -115,7 +117,8 @@ class CheckpointManager:
 
     @staticmethod
     def _exit_no_checkpoint(reason: str) -> NoReturn:
-        events.decision("exit", f"{reason}; exiting with code {exit_codes.NO_CHECKPOINT}")
+        events.decision("exit", f"{reason}; exiting with code {exit_codes.NO_CHECKPOINT}",
+                        exit_code=exit_codes.NO_CHECKPOINT)
         parallel.shutdown()
         sys.exit(exit_codes.NO_CHECKPOINT)
 
@@ -161,7 +164,9 @@ class CheckpointManager:
         sharded = state.build_sharded_state(
             self.model, self.optimizer, self.scheduler, progress, self.args,
             with_optimizer=self.config.save_optim, with_rng=self.config.save_rng)
+        events.record("save_started", tier=tier.name, iteration=progress.iteration)
         path = tier.save(sharded, progress.iteration)
+        events.record("save_published", tier=tier.name, iteration=progress.iteration, path=path)
         tp = parallel_state.get_tensor_model_parallel_world_size()
         kind = "" if tier is self.save_tier else f"{tier.name} "
         events.print_rank_0(f"  successfully saved {kind}checkpoint from iteration {progress.iteration:7d} "

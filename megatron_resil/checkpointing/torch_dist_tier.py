@@ -100,7 +100,8 @@ class TorchDistTier(CheckpointTier):
                 f.write(reason + "\n")
             fsync_dir(self.root)
             events.decision("quarantine", f"renamed {candidate.path} to {target}: {reason}; "
-                            "kept for inspection, never loaded again")
+                            "kept for inspection, never loaded again", tier=self.name,
+                            iteration=candidate.iteration, path=target, reason=reason)
         _barrier()
 
     def load(self, candidate: TierCandidate, sharded_template: dict) -> dict:
