@@ -13,6 +13,7 @@ from megatron_resil import cpu_compat, events, exit_codes, parallel
 from megatron_resil.checkpointing.manager import CheckpointConfig, CheckpointManager
 from megatron_resil.checkpointing.torch_dist_tier import CheckpointSaveError
 from megatron_resil.data import build_datasets, get_microbatch
+from megatron_resil.fault_injection import FaultInjector
 from megatron_resil.model import build_model
 from megatron_resil.optimizer import Optimizer, build_scheduler
 from megatron_resil.progress import TrainProgress
@@ -30,11 +31,13 @@ def pretrain(args: argparse.Namespace) -> int:
     model = build_model(args, tokenizer.vocab_size)
     optimizer = Optimizer(model, args)
     scheduler = build_scheduler(optimizer, args)
-    checkpoints = CheckpointManager(CheckpointConfig.from_args(args), model, optimizer, scheduler, args)
+    faults = FaultInjector(args)
+    checkpoints = CheckpointManager(CheckpointConfig.from_args(args), model, optimizer, scheduler, args,
+                                    on_staged=faults.on_staged)
     progress = checkpoints.load()
     train_ds, valid_ds = build_datasets(args, tokenizer)
     try:
-        code = train(args, model, optimizer, scheduler, checkpoints, progress, train_ds, valid_ds)
+        code = train(args, model, optimizer, scheduler, checkpoints, progress, train_ds, valid_ds, faults)
     except CheckpointSaveError as err:
         events.decision("exit", f"{err}; the previous checkpoint and tracker are intact; "
                         f"exiting with code {exit_codes.SAVE_FAILED}", exit_code=exit_codes.SAVE_FAILED)
@@ -44,11 +47,12 @@ def pretrain(args: argparse.Namespace) -> int:
 
 
 def train(args, model, optimizer, scheduler, checkpoints, progress: TrainProgress,
-          train_ds, valid_ds) -> int:
+          train_ds, valid_ds, faults: FaultInjector) -> int:
     logger, stops, stop = TrainLogger(args), StopConditions(args), None
     events.print_rank_0(f"training from iteration {progress.iteration} to {args.train_iters}")
     while progress.iteration < args.train_iters:
-        loss, grad_norm = train_step(args, model, optimizer, scheduler, train_ds, progress)
+        faults.before_iteration(progress.iteration + 1)
+        loss, grad_norm = train_step(args, model, optimizer, scheduler, train_ds, progress, faults)
         progress.iteration += 1
         progress.consumed_train_samples += args.global_batch_size
         logger.training_step(progress.iteration, progress.consumed_train_samples,
@@ -90,12 +94,15 @@ def _mean_over_data_parallel(value: torch.Tensor) -> float:
     return float(value)
 
 
-def train_step(args, model, optimizer, scheduler, dataset, progress: TrainProgress) -> tuple[float, float]:
+def train_step(args, model, optimizer, scheduler, dataset, progress: TrainProgress,
+               faults: FaultInjector | None = None) -> tuple[float, float]:
     model.train()
     optimizer.zero_grad()
     total = torch.zeros((), dtype=torch.float32)
     for microbatch in range(args.num_microbatches):
         loss = _batch_loss(args, model, dataset, progress.consumed_train_samples, microbatch)
+        if faults is not None:
+            loss = faults.poison_loss(loss, progress.iteration + 1)
         (loss / args.num_microbatches).backward()
         total += loss.detach().cpu()
     grad_norm = optimizer.step()

@@ -16,6 +16,7 @@ from megatron_resil.arguments import (
     checkpointing,
     data,
     distributed,
+    fault_injection,
     logging_args,
     model,
     signals,
@@ -24,7 +25,7 @@ from megatron_resil.arguments import (
 from megatron_resil.arguments.errors import ArgumentError
 
 # Order matters only for --help readability; validation order follows dependencies.
-_GROUPS = (model, training, data, distributed, checkpointing, signals, logging_args)
+_GROUPS = (model, training, data, distributed, checkpointing, signals, fault_injection, logging_args)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -10,8 +10,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import multiprocessing as mp
+import os
 import signal
 import threading
+import time
 from multiprocessing.managers import SyncManager
 
 import torch
@@ -36,8 +38,19 @@ def without_torch_record_crc():
 
 
 def _ignore_termination_signals() -> None:
+    """Initializer of the Manager process: survive the job-wide SIGTERM, but not the trainer itself.
+    Deaf to SIGTERM it would outlive a trainer killed with SIGKILL (and hold its stdout open), so it
+    exits as soon as it is orphaned."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.getppid()
+
+    def exit_when_orphaned() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=exit_when_orphaned, name="exit-when-orphaned", daemon=True).start()
 
 
 def _start_write_queue() -> None:

@@ -57,7 +57,7 @@ class CheckpointConfig:
 
 class CheckpointManager:
     def __init__(self, config: CheckpointConfig, model, optimizer, scheduler,
-                 args: argparse.Namespace) -> None:
+                 args: argparse.Namespace, on_staged=None) -> None:
         self.config = config
         self.model, self.optimizer, self.scheduler, self.args = model, optimizer, scheduler, args
         self.save_tier = TorchDistTier(config.save) if config.save else None
@@ -69,6 +69,7 @@ class CheckpointManager:
         self._load_optim, self._load_rng = config.load_optim, config.load_rng
         for tier in (self.save_tier, self.non_persistent_tier):
             if tier is not None:
+                tier.on_staged = on_staged  # fault injection's hook point inside a save
                 tier.startup_cleanup()
 
     # ---- load ----------------------------------------------------------------------------------

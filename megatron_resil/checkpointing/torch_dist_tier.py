@@ -50,6 +50,7 @@ class TorchDistTier(CheckpointTier):
         self.name = name
         self.write_tracker = write_tracker
         self.verify_checksums = verify_checksums
+        self.on_staged = None  # called with the iteration after the shards are written, before publish
 
     # ---- load side -------------------------------------------------------------------------
     def candidates(self) -> list[TierCandidate]:
@@ -121,6 +122,8 @@ class TorchDistTier(CheckpointTier):
             dist_checkpointing.save(sharded_state, staging, sharded_strategy=strategy)
         checksums = _gather(_checksum_own_shards(staging))
         final = layout.iteration_dir(self.root, iteration)
+        if self.on_staged is not None:
+            self.on_staged(iteration)
         self._on_rank0(lambda: self._publish(staging, final, iteration, checksums), f"publish {final}")
         return final
 

@@ -1,0 +1,80 @@
+"""Deterministic faults on chosen ranks at a chosen iteration, for tests and drills (--inject-fault).
+
+Once per job by default: before striking, the rank records the fault under `<save>/.injected_faults/`,
+so the restarted job does not strike again (--inject-fault-repeat to strike every time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+
+import torch
+
+from megatron_resil import events, parallel
+from megatron_resil.checkpointing.atomic import atomic_write_text
+
+
+class FaultInjector:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.kind = args.inject_fault
+        self.iteration = args.inject_fault_iteration
+        self.slow_secs = args.inject_fault_slow_secs
+        self.repeat = args.inject_fault_repeat
+        self.here = self.kind is not None and parallel.rank() in args.inject_fault_ranks
+        self.marker_dir = os.path.join(args.save, ".injected_faults") if args.save else None
+        self._struck = False
+
+    def _strike(self, what: str) -> bool:
+        """True if this rank should inject now; records it first so a restart does not repeat it."""
+        if self._struck:
+            return False
+        marker = (os.path.join(self.marker_dir, f"{self.kind}-iter{self.iteration}-rank{parallel.rank()}")
+                  if self.marker_dir else None)
+        if not self.repeat and marker and os.path.exists(marker):
+            self._struck = True
+            return False
+        if marker:
+            os.makedirs(self.marker_dir, exist_ok=True)
+            atomic_write_text(marker, f"{time.time()}\n")
+        self._struck = True
+        print(f"[resil] fault: injecting {self.kind} on rank {parallel.rank()} {what}", flush=True)
+        events.record("fault_injected", kind=self.kind, iteration=self.iteration, rank=parallel.rank())
+        return True
+
+    def before_iteration(self, iteration: int) -> None:
+        """Called before `iteration` runs."""
+        if not self.here:
+            return
+        if self.kind == "slow" and iteration >= self.iteration:
+            if self._struck or self._strike(f"from iteration {iteration}: {self.slow_secs:g}s per iteration"):
+                time.sleep(self.slow_secs)
+            return
+        if iteration != self.iteration or self.kind not in ("kill", "exception", "sigterm", "hang"):
+            return
+        if not self._strike(f"before iteration {iteration}"):
+            return
+        if self.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif self.kind == "exception":
+            raise RuntimeError(f"injected fault: exception on rank {parallel.rank()} "
+                               f"at iteration {iteration}")
+        elif self.kind == "sigterm":
+            os.kill(os.getpid(), signal.SIGTERM)
+        else:  # hang: alive, but never reaching the next collective
+            while True:
+                time.sleep(3600)
+
+    def poison_loss(self, loss: torch.Tensor, iteration: int) -> torch.Tensor:
+        if self.here and self.kind == "nan-loss" and iteration == self.iteration and \
+                self._strike(f"into the loss of iteration {iteration}"):
+            return loss * float("nan")
+        return loss
+
+    def on_staged(self, iteration: int) -> None:
+        """Called after a save's shards are written, before it is published."""
+        if self.here and self.kind == "crash-mid-save" and iteration >= self.iteration and \
+                self._strike(f"in the save of iteration {iteration}, before it is published"):
+            os.kill(os.getpid(), signal.SIGKILL)
