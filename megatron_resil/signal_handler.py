@@ -8,6 +8,8 @@ the previous checkpoint and the tracker are then still intact.
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
 import os
 import signal
 import sys
@@ -48,4 +50,8 @@ class ExitSignalHandler:
         sys.stderr.write(f"[resil] exit: {message}\n")
         sys.stderr.flush()
         events.record("exit", message=message, exit_code=exit_codes.SIGNAL_DEADLINE)
+        # megatron-core's writer forks a process per file; orphaned mid-write they block forever.
+        for child in multiprocessing.active_children():
+            with contextlib.suppress(OSError):
+                os.kill(child.pid, signal.SIGKILL)
         os._exit(exit_codes.SIGNAL_DEADLINE)

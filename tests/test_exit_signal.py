@@ -90,6 +90,21 @@ def test_missed_grace_deadline_exits_6_and_keeps_the_previous_checkpoint(tmp_pat
     events = [json.loads(line) for line in (root / "events.jsonl").read_text().splitlines()]
     assert [e["exit_code"] for e in events if e["event"] == "exit"][-1] == 6
     _assert_only_complete_checkpoints(root)
+    # No rank, writer or helper process of this run outlives it.
+    _wait_for(lambda: not _processes_mentioning(str(root)), timeout=60, what="the run's processes to end")
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if text.encode() in f.read():
+                        found.append(int(entry))
+            except OSError:
+                continue
+    return found
 
 
 def test_exit_duration_saves_and_exits_cleanly(tmp_path):
