@@ -42,6 +42,16 @@ def _check_dir_flag(flag: str, path: str | None) -> None:
         raise ArgumentError(f"{flag} {path} is a file, not a directory; give a checkpoint directory")
 
 
+def _check_interval(flag: str, value: int | None, needs: str | None) -> None:
+    """An interval flag, if given, is positive; `needs` names the flag it cannot work without."""
+    if value is None:
+        return
+    if needs is not None:
+        raise ArgumentError(f"{flag} needs {needs}")
+    if value <= 0:
+        raise ArgumentError(f"{flag} must be positive")
+
+
 def _check_writable(flag: str, path: str | None) -> None:
     """Fail now, not at the first save hours later; creates nothing."""
     if path is None:
@@ -62,16 +72,9 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     _check_dir_flag("--save", args.save)
     _check_dir_flag("--load", args.load)
     _check_writable("--save", args.save)
-    if args.save_interval is not None:
-        if args.save is None:
-            raise ArgumentError("--save-interval needs --save DIR")
-        if args.save_interval <= 0:
-            raise ArgumentError("--save-interval must be positive")
-    if args.save_retain_interval is not None:
-        if args.save is None:
-            raise ArgumentError("--save-retain-interval needs --save DIR")
-        if args.save_retain_interval <= 0:
-            raise ArgumentError("--save-retain-interval must be positive")
+    for flag in ("--save-interval", "--save-retain-interval"):
+        _check_interval(flag, getattr(args, flag[2:].replace("-", "_")),
+                        needs=None if args.save else "--save DIR")
     if args.ckpt_keep_last is not None and args.ckpt_keep_last < 1:
         raise ArgumentError("--ckpt-keep-last must be at least 1")
     _validate_non_persistent(args)
@@ -82,11 +85,8 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
 def _validate_non_persistent(args: argparse.Namespace) -> None:
     if args.non_persistent_ckpt_type == "local":
         raise ArgumentError("--non-persistent-ckpt-type local is not implemented yet; use global")
-    if args.non_persistent_save_interval is not None:
-        if args.non_persistent_ckpt_type is None:
-            raise ArgumentError("--non-persistent-save-interval needs --non-persistent-ckpt-type global")
-        if args.non_persistent_save_interval <= 0:
-            raise ArgumentError("--non-persistent-save-interval must be positive")
+    _check_interval("--non-persistent-save-interval", args.non_persistent_save_interval,
+                    needs=None if args.non_persistent_ckpt_type else "--non-persistent-ckpt-type global")
     if args.non_persistent_ckpt_type == "global":
         if args.non_persistent_global_ckpt_dir is None:
             if args.save is None:
