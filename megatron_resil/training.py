@@ -57,6 +57,9 @@ def train(args, model, optimizer, scheduler, checkpoints, progress: TrainProgres
         progress.consumed_train_samples += args.global_batch_size
         logger.training_step(progress.iteration, progress.consumed_train_samples,
                              optimizer.param_groups[0]["lr"], loss, grad_norm)
+        if (reloaded := checkpoints.check_canary(progress, loss, grad_norm)) is not None:
+            progress = reloaded  # the non-persistent checkpoint was bad: back to a persistent one
+            continue
         if valid_ds is not None and args.eval_iters and progress.iteration % args.eval_interval == 0:
             logger.validation(progress.iteration, evaluate(args, model, valid_ds, progress))
             logger.restart_interval()

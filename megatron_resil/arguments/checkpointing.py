@@ -30,9 +30,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-on-missing-checkpoint", action="store_true")
     g.add_argument("--non-persistent-ckpt-type", choices=["global", "local"], default=None,
                    help="global: torch_dist checkpoints in --non-persistent-global-ckpt-dir, only the "
-                        "newest kept")
+                        "newest kept; local: one file per rank in --non-persistent-local-ckpt-dir "
+                        "(node-local storage), optionally replicated to other nodes")
     g.add_argument("--non-persistent-save-interval", type=int, default=None)
     g.add_argument("--non-persistent-global-ckpt-dir", default=None, help="default: <save>/non_persistent")
+    g.add_argument("--non-persistent-local-ckpt-dir", default=None,
+                   help="root of the local tier: <dir>/<rank>/iter_<7 digits>_<rank>_local.pt")
+    g.add_argument("--non-persistent-local-ckpt-algo", choices=["fully_parallel", "atomic"],
+                   default="fully_parallel",
+                   help="fully_parallel: data-parallel ranks split replicated tensors; atomic: each "
+                        "rank saves everything it holds")
+    g.add_argument("--replication", action="store_true",
+                   help="copy each rank's local checkpoint to --replication-factor - 1 other ranks")
+    g.add_argument("--replication-jump", type=int, default=None,
+                   help="rank distance between copies; set it to the ranks per node so copies land "
+                        "on other nodes (required with --replication)")
+    g.add_argument("--replication-factor", type=int, default=2,
+                   help="how many ranks hold each local checkpoint, its owner included")
+    g.add_argument("--non-persistent-canary-iters", type=int, default=5,
+                   help="after resuming from a non-persistent checkpoint, a NaN or Inf loss or grad "
+                        "norm within this many iterations rejects it and reloads the persistent "
+                        "checkpoint (0: off)")
     g.add_argument("--ckpt-skip-checksums", action="store_true",
                    help="do not verify file checksums on load (sizes and the manifest still are)")
 
@@ -77,16 +95,26 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
                         needs=None if args.save else "--save DIR")
     if args.ckpt_keep_last is not None and args.ckpt_keep_last < 1:
         raise ArgumentError("--ckpt-keep-last must be at least 1")
-    _validate_non_persistent(args)
+    _validate_non_persistent(args, world_size)
     if args.exit_on_missing_checkpoint and args.load is None:
         raise ArgumentError("--exit-on-missing-checkpoint needs --load DIR")
 
 
-def _validate_non_persistent(args: argparse.Namespace) -> None:
-    if args.non_persistent_ckpt_type == "local":
-        raise ArgumentError("--non-persistent-ckpt-type local is not implemented yet; use global")
+def _validate_non_persistent(args: argparse.Namespace, world_size: int) -> None:
     _check_interval("--non-persistent-save-interval", args.non_persistent_save_interval,
-                    needs=None if args.non_persistent_ckpt_type else "--non-persistent-ckpt-type global")
+                    needs=None if args.non_persistent_ckpt_type else "--non-persistent-ckpt-type")
+    if args.non_persistent_canary_iters < 0:
+        raise ArgumentError("--non-persistent-canary-iters must be 0 (off) or positive")
+    if args.non_persistent_ckpt_type == "local":
+        if args.non_persistent_local_ckpt_dir is None:
+            raise ArgumentError("--non-persistent-ckpt-type local needs --non-persistent-local-ckpt-dir "
+                                "DIR (node-local storage, e.g. a local SSD)")
+        _check_dir_flag("--non-persistent-local-ckpt-dir", args.non_persistent_local_ckpt_dir)
+        _check_writable("--non-persistent-local-ckpt-dir", args.non_persistent_local_ckpt_dir)
+    elif args.replication or args.non_persistent_local_ckpt_dir is not None:
+        flag = "--replication" if args.replication else "--non-persistent-local-ckpt-dir"
+        raise ArgumentError(f"{flag} needs --non-persistent-ckpt-type local")
+    _validate_replication(args, world_size)
     if args.non_persistent_ckpt_type == "global":
         if args.non_persistent_global_ckpt_dir is None:
             if args.save is None:
@@ -95,3 +123,20 @@ def _validate_non_persistent(args: argparse.Namespace) -> None:
             args.non_persistent_global_ckpt_dir = os.path.join(args.save, "non_persistent")
         _check_dir_flag("--non-persistent-global-ckpt-dir", args.non_persistent_global_ckpt_dir)
         _check_writable("--non-persistent-global-ckpt-dir", args.non_persistent_global_ckpt_dir)
+
+
+def _validate_replication(args: argparse.Namespace, world_size: int) -> None:
+    if not args.replication:
+        return
+    if args.replication_jump is None:
+        raise ArgumentError("--replication needs --replication-jump N; set N to the number of ranks "
+                            "per node so that copies land on other nodes")
+    if args.replication_jump < 1:
+        raise ArgumentError("--replication-jump must be at least 1")
+    if args.replication_factor < 2:
+        raise ArgumentError("--replication-factor must be at least 2 (the owner plus one copy)")
+    group = args.replication_jump * args.replication_factor
+    if world_size % group:
+        raise ArgumentError(f"--replication-jump {args.replication_jump} x --replication-factor "
+                            f"{args.replication_factor} = {group} must divide the world size "
+                            f"{world_size}")

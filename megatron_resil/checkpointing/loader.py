@@ -61,7 +61,7 @@ def _newest_first(tiers: list[CheckpointTier]):
 
 
 def load_first_verified(tiers: list[CheckpointTier],
-                        make_template: Callable[[TierCandidate], dict]) -> LoadResult | None:
+                        make_template: Callable[[TierCandidate, dict], dict]) -> LoadResult | None:
     """`tiers` in order of trust; candidates are tried newest first across all of them."""
     for tier, candidate in _newest_first(tiers):
         where = f"{candidate.tier} iteration {candidate.iteration} ({candidate.path})"
@@ -73,7 +73,7 @@ def load_first_verified(tiers: list[CheckpointTier],
             tier.quarantine(candidate, why)
             continue
         try:
-            state = tier.load(candidate, make_template(candidate))
+            state = tier.load(candidate, make_template(candidate, tier.saved_args(candidate)))
             failure = None
         # Reported collectively below, so no rank is left waiting. torch's DCP raises
         # CheckpointException, a BaseException.

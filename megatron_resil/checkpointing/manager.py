@@ -12,14 +12,16 @@ import sys
 from dataclasses import dataclass
 from typing import NoReturn
 
-from megatron.core import dist_checkpointing, parallel_state
+from megatron.core import parallel_state
 
 from megatron_resil import events, exit_codes, parallel
 from megatron_resil.checkpointing import layout, loader, state
+from megatron_resil.checkpointing.canary import LoadCanary
 from megatron_resil.checkpointing.dcp_writer import prepare_for_saving
+from megatron_resil.checkpointing.local_tier import LocalTier
 from megatron_resil.checkpointing.retention import apply_retention
-from megatron_resil.checkpointing.tier import TierCandidate
-from megatron_resil.checkpointing.torch_dist_tier import TorchDistTier
+from megatron_resil.checkpointing.tier import CheckpointTier, TierCandidate
+from megatron_resil.checkpointing.torch_dist_tier import CheckpointSaveError, TorchDistTier
 from megatron_resil.checkpointing.tracker import tracker_path
 from megatron_resil.progress import TrainProgress
 
@@ -40,6 +42,10 @@ class CheckpointConfig:
     verify_checksums: bool
     non_persistent_dir: str | None  # global non-persistent tier, only its newest checkpoint is kept
     non_persistent_interval: int | None
+    local_dir: str | None  # node-local tier (NVRx), one iteration kept
+    local_algo: str
+    replication: tuple[int, int] | None  # (jump, factor)
+    canary_iters: int
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> CheckpointConfig:
@@ -52,7 +58,13 @@ class CheckpointConfig:
                    verify_checksums=not args.ckpt_skip_checksums,
                    non_persistent_dir=args.non_persistent_global_ckpt_dir
                    if args.non_persistent_ckpt_type == "global" else None,
-                   non_persistent_interval=args.non_persistent_save_interval)
+                   non_persistent_interval=args.non_persistent_save_interval,
+                   local_dir=args.non_persistent_local_ckpt_dir
+                   if args.non_persistent_ckpt_type == "local" else None,
+                   local_algo=args.non_persistent_local_ckpt_algo,
+                   replication=(args.replication_jump, args.replication_factor)
+                   if args.replication else None,
+                   canary_iters=args.non_persistent_canary_iters)
 
 
 class CheckpointManager:
@@ -61,10 +73,8 @@ class CheckpointManager:
         self.config = config
         self.model, self.optimizer, self.scheduler, self.args = model, optimizer, scheduler, args
         self.save_tier = TorchDistTier(config.save) if config.save else None
-        self.non_persistent_tier = (
-            TorchDistTier(config.non_persistent_dir, name="non-persistent",
-                          verify_checksums=config.verify_checksums)
-            if config.non_persistent_dir else None)
+        self.non_persistent_tier = _non_persistent_tier(config)
+        self.canary = LoadCanary(config.canary_iters)
         self.last_saved_iteration: int | None = None
         self._load_optim, self._load_rng = config.load_optim, config.load_rng
         for tier in (self.save_tier, self.non_persistent_tier):
@@ -79,12 +89,16 @@ class CheckpointManager:
             prepare_for_saving()  # training will start: get the writer's helper process going now
         return progress
 
-    def _load(self) -> TrainProgress:
+    def _load(self, persistent_only: bool = False) -> TrainProgress:
         if self.config.load is None:
             return TrainProgress()
-        tiers = [TorchDistTier(self.config.load, verify_checksums=self.config.verify_checksums)]
-        if self.non_persistent_tier is not None:
-            tiers.append(self.non_persistent_tier)  # less trusted: the persistent tier wins ties
+        persistent = TorchDistTier(self.config.load, verify_checksums=self.config.verify_checksums)
+        tiers: list[CheckpointTier] = [persistent]
+        if self.non_persistent_tier is not None and not persistent_only:
+            # The node-local tier is tried first at equal iterations (fastest, and the canary
+            # watches it); a global non-persistent one only after the persistent one.
+            local = isinstance(self.non_persistent_tier, LocalTier)
+            tiers.insert(0 if local else 1, self.non_persistent_tier)
         try:
             result = loader.load_first_verified(tiers, self._template_for)
         except loader.CheckpointLoadError as err:
@@ -114,7 +128,31 @@ class CheckpointManager:
         if progress.iteration and result.candidate.tier == "persistent" and \
                 _same_dir(self.config.load, self.config.save):
             self.last_saved_iteration = progress.iteration  # already on disk; don't re-save it
+        if result.candidate.tier != "persistent" and not self.config.finetune:
+            self.canary.arm(self._tier_named(result.candidate.tier, tiers), result.candidate,
+                            progress.iteration)
         return progress
+
+    @staticmethod
+    def _tier_named(name: str, tiers: list[CheckpointTier]) -> CheckpointTier:
+        return next(tier for tier in tiers if tier.name == name)
+
+    def check_canary(self, progress: TrainProgress, loss: float, grad_norm: float) -> TrainProgress | None:
+        """After a resume from a non-persistent checkpoint: a NaN or Inf in its first iterations
+        condemns it (its checksums can match data that was written bad). It is quarantined and
+        the newest verified persistent checkpoint is loaded instead; returns the new progress."""
+        tripped = self.canary.check(progress.iteration, loss, grad_norm)
+        if tripped is None:
+            return None
+        tier, candidate, why = tripped
+        events.decision("canary", f"{candidate.tier} iteration {candidate.iteration} is bad although it "
+                        f"verified: {why}; quarantining it and reloading the newest verified persistent "
+                        "checkpoint", tier=candidate.tier, iteration=candidate.iteration, reason=why)
+        tier.quarantine(candidate, f"canary: {why}")
+        if self.config.load is None or not layout.published_iterations(self.config.load):
+            self._exit_no_checkpoint(f"no persistent checkpoint under --load {self.config.load} to fall "
+                                     "back to after the canary rejected the non-persistent one")
+        return self._load(persistent_only=True)
 
     @staticmethod
     def _exit_no_checkpoint(reason: str) -> NoReturn:
@@ -123,8 +161,7 @@ class CheckpointManager:
         parallel.shutdown()
         sys.exit(exit_codes.NO_CHECKPOINT)
 
-    def _template_for(self, candidate: TierCandidate) -> dict:
-        saved_args = dist_checkpointing.load_common_state_dict(candidate.path).get("args", {})
+    def _template_for(self, candidate: TierCandidate, saved_args: dict) -> dict:
         self._load_optim = self.config.load_optim and not saved_args.get("no_save_optim", False)
         self._load_rng = self.config.load_rng and not saved_args.get("no_save_rng", False)
         if self.config.load_optim and not self._load_optim:
@@ -145,8 +182,16 @@ class CheckpointManager:
         if self.save_tier is not None and _due(iteration, self.config.save_interval):
             return self.save(progress)
         if self.non_persistent_tier is not None and _due(iteration, self.config.non_persistent_interval):
-            self._save_to(self.non_persistent_tier, progress)
-            if parallel.is_rank0():  # non-persistent: only the newest is kept, as in Megatron
+            try:
+                self._save_to(self.non_persistent_tier, progress)
+            except CheckpointSaveError as err:
+                # The persistent checkpoints still stand; losing one non-persistent save is
+                # cheaper than losing the job.
+                events.decision("save", f"{err}; the previous checkpoints are intact; training "
+                                "continues", tier=self.non_persistent_tier.name, iteration=iteration)
+                return False
+            if parallel.is_rank0() and isinstance(self.non_persistent_tier, TorchDistTier):
+                # Only the newest is kept, as in Megatron (the local tier's NVRx does this itself).
                 apply_retention(self.non_persistent_tier.root, keep_last=1, retain_interval=None)
             return True
         return False
@@ -161,7 +206,7 @@ class CheckpointManager:
             apply_retention(self.config.save, self.config.keep_last, self.config.save_retain_interval)
         return True
 
-    def _save_to(self, tier: TorchDistTier, progress: TrainProgress) -> None:
+    def _save_to(self, tier: CheckpointTier, progress: TrainProgress) -> None:
         sharded = state.build_sharded_state(
             self.model, self.optimizer, self.scheduler, progress, self.args,
             with_optimizer=self.config.save_optim, with_rng=self.config.save_rng)
@@ -171,7 +216,17 @@ class CheckpointManager:
         tp = parallel_state.get_tensor_model_parallel_world_size()
         kind = "" if tier is self.save_tier else f"{tier.name} "
         events.print_rank_0(f"  successfully saved {kind}checkpoint from iteration {progress.iteration:7d} "
-                            f"to {os.path.dirname(path)} [ t 1/{tp}, p 1/1 ]")
+                            f"to {tier.root} [ t 1/{tp}, p 1/1 ]")
+
+
+def _non_persistent_tier(config: CheckpointConfig) -> CheckpointTier | None:
+    if config.local_dir is not None:
+        return LocalTier(config.local_dir, algo=config.local_algo, replication=config.replication,
+                         verify_checksums=config.verify_checksums)
+    if config.non_persistent_dir is not None:
+        return TorchDistTier(config.non_persistent_dir, name="non-persistent",
+                             verify_checksums=config.verify_checksums)
+    return None
 
 
 def _due(iteration: int, interval: int | None) -> bool:

@@ -33,6 +33,10 @@ class CheckpointTier(ABC):
     def load(self, candidate: TierCandidate, sharded_template: dict) -> dict:
         """Collective: fill the template from the candidate and return the loaded state."""
 
+    def saved_args(self, candidate: TierCandidate) -> dict:
+        """The command line the candidate was saved with (after verify accepted it)."""
+        return {}
+
     @abstractmethod
     def save(self, sharded_state: dict, iteration: int) -> str:
         """Collective: write and publish atomically; returns the published path."""

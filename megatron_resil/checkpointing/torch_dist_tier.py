@@ -105,6 +105,9 @@ class TorchDistTier(CheckpointTier):
                             iteration=candidate.iteration, path=target, reason=reason)
         _barrier()
 
+    def saved_args(self, candidate: TierCandidate) -> dict:
+        return dist_checkpointing.load_common_state_dict(candidate.path).get("args", {})
+
     def load(self, candidate: TierCandidate, sharded_template: dict) -> dict:
         return dist_checkpointing.load(sharded_template, candidate.path)
 

@@ -1,0 +1,319 @@
+"""The node-local tier: NVRx's LocalCheckpointManager and CliqueReplicationStrategy, made verifiable.
+
+Layout (NVRx's, so losing a node means losing its ranks' directories):
+`<root>/<rank>/iter_<7 digits>_<owner>_local.pt`, each beside its manifest `<file>.manifest.json`
+{"iteration", "owner", "size", "crc32"} written by the owner's seal (see sealed_shard.py). With
+--replication a rank's directory also holds its clique peers' shards. One iteration is kept.
+
+What this adds to NVRx 0.4.1, each a trap seen there:
+- every copy is verified against its owner's checksum before use; a bad own copy is swapped for a
+  verified replica; a rank that cannot get a verified copy makes all ranks move on together;
+- retrieval from replicas works on gloo (see replication.py);
+- a stale `.dirty` file from a crashed save is replaced instead of failing that rank's next save
+  while the others wait in a barrier; a write that fails on one rank fails the save on all ranks;
+- a rejected iteration is moved to `<root>/<rank>/quarantined/`, never deleted and never tried again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
+from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.base_manager import CheckpointingException
+from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import (
+    LocalCheckpointManager,
+)
+
+from megatron_resil import events, parallel
+from megatron_resil.checkpointing.atomic import atomic_write_text
+from megatron_resil.checkpointing.replication import build_clique_strategy, comm_device
+from megatron_resil.checkpointing.sealed_shard import SealedShard, crc32_of
+from megatron_resil.checkpointing.tier import CheckpointTier, TierCandidate
+from megatron_resil.checkpointing.torch_dist_tier import CheckpointSaveError
+
+MANIFEST_SUFFIX = ".manifest.json"
+QUARANTINE_DIR = "quarantined"
+SESSION = ""  # Megatron-LM's default session id: <root>/<rank>/...
+
+
+class _VerifiableLocalManager(LocalCheckpointManager):
+    """LocalCheckpointManager writing sealed shards with their manifests."""
+
+    def __init__(self, root: str, repl_strategy=None) -> None:
+        super().__init__(root, session_id=SESSION, repl_strategy=repl_strategy)
+        self.on_written = None  # fault injection: called after the bytes are written, before the rename
+        self.write_failure: str | None = None
+
+    def _save(self, shard: SealedShard, ckpt_id) -> None:
+        self._ensure_dir()
+        final = self._local_ckpt_path_from_id(ckpt_id)
+        dirty = self._local_ckpt_path_from_id(ckpt_id, True)
+        dirty.unlink(missing_ok=True)  # left by a crashed save; NVRx would fail this save on it
+        # The manifest goes first, so a shard under its final name always has one.
+        atomic_write_text(str(final) + MANIFEST_SUFFIX, json.dumps({**shard.meta, "format": "sealed-v1"}))
+        with open(dirty, "wb") as f:
+            f.write(memoryview(shard.payload.numpy()))
+        if self.on_written is not None:
+            self.on_written(ckpt_id[0])
+        dirty.rename(final)
+
+    def _save_fn(self, id_to_state_dict) -> None:
+        # NVRx raises here on the failing rank only, leaving the others in the barrier that
+        # follows: record it instead; the completeness check after the barrier fails everywhere.
+        self.write_failure = None
+        try:
+            super()._save_fn(id_to_state_dict)
+        except Exception as err:  # noqa: BLE001 - any write failure, reported collectively
+            self.write_failure = f"{type(err).__name__}: {err}"
+
+    def _my_ckpt_ids(self):
+        # Presence of the shard and its manifest; contents are verified when a load considers them.
+        return [ckpt_id for ckpt_id in super()._my_ckpt_ids()
+                if Path(str(self._local_ckpt_path_from_id(ckpt_id)) + MANIFEST_SUFFIX).exists()]
+
+    def _cleanup(self, iteration: int) -> None:
+        super()._cleanup(iteration)
+        for path in self.local_ckpt_dir.glob("iter_*_local.pt" + MANIFEST_SUFFIX):
+            if _iteration_of(path.name) < iteration:
+                path.unlink(missing_ok=True)
+
+    def _cleanup_failed_save(self, iteration: int) -> None:
+        super()._cleanup_failed_save(iteration)
+        for path in self.local_ckpt_dir.glob(f"iter_{iteration:07d}_*"):
+            path.unlink(missing_ok=True)
+
+
+def _iteration_of(name: str) -> int:
+    return int(name.split("_")[1])
+
+
+def _owner_of(name: str) -> int:
+    return int(name.split("_")[2])
+
+
+class LocalTier(CheckpointTier):
+    def __init__(self, root: str, *, algo: str = "fully_parallel", replication: tuple[int, int] | None = None,
+                 verify_checksums: bool = True) -> None:
+        self.root = root
+        self.name = "local"
+        self.algo = algo
+        self.verify_checksums = verify_checksums
+        strategy = build_clique_strategy(*replication) if replication else None
+        self.manager = _VerifiableLocalManager(root, strategy)
+        self.on_staged = None
+        self._fetched: tuple[int, MCoreTensorAwareStateDict] | None = None
+
+    @property
+    def my_dir(self) -> Path:
+        return Path(self.manager.local_ckpt_dir)
+
+    # ---- load side -------------------------------------------------------------------------
+    def _my_files(self, iteration: int | None = None) -> dict[int, Path]:
+        """{owner: path} of the shards under final names in this rank's directory."""
+        if not self.my_dir.is_dir():
+            return {}
+        found = {}
+        for path in self.my_dir.glob("iter_*_*_local.pt"):
+            if iteration is None or _iteration_of(path.name) == iteration:
+                found[_owner_of(path.name)] = path
+        return found
+
+    def candidates(self) -> list[TierCandidate]:
+        mine = sorted({_iteration_of(p.name) for p in self._my_files().values()})
+        everywhere = sorted({it for part in _all_gather(mine) for it in part}, reverse=True)
+        return [TierCandidate(self.name, it, self._describe(it), "node-local shards") for it in everywhere]
+
+    def _describe(self, iteration: int) -> str:
+        return os.path.join(self.root, "<rank>", f"iter_{iteration:07d}_<rank>_local.pt")
+
+    def _read_copy(self, path: Path, iteration: int, owner: int) -> tuple[SealedShard | None, str | None]:
+        """This rank's copy of `owner`'s shard, checked against the owner's manifest."""
+        try:
+            payload = path.read_bytes()
+        except OSError as err:
+            return None, f"unreadable ({err.strerror})"
+        manifest_path = Path(str(path) + MANIFEST_SUFFIX)
+        try:
+            meta = json.loads(manifest_path.read_text())
+            meta = {k: int(meta[k]) for k in ("iteration", "owner", "size", "crc32")}
+        except FileNotFoundError:
+            if _looks_like_ours(path):
+                return None, "manifest missing"
+            events.warn(f"{path} has no manifest (saved by Megatron-LM or an older megatron-resil); "
+                        "it is loaded unverified")
+            meta = {"iteration": iteration, "owner": owner, "size": len(payload),
+                    "crc32": crc32_of(payload)}
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            return None, f"manifest unparsable ({type(err).__name__})"
+        if (meta["iteration"], meta["owner"]) != (iteration, owner):
+            return None, (f"manifest is for rank {meta['owner']} iteration {meta['iteration']}, "
+                          f"not rank {owner} iteration {iteration}")
+        shard = SealedShard(_as_tensor(payload), meta, comm_device())
+        if not self.verify_checksums and len(payload) == meta["size"]:
+            return shard, None
+        return (None, why) if (why := shard.problem()) else (shard, None)
+
+    def verify(self, candidate: TierCandidate) -> str | None:
+        """Collective (all ranks verify the same candidate in the same order): check every copy
+        this rank holds, agree who can serve which shard, fetch this rank's shard from its own
+        copy or a verified replica, and check it again on arrival."""
+        iteration, me = candidate.iteration, parallel.rank()
+        good: dict[int, SealedShard] = {}
+        bad: dict[int, str] = {}
+        for owner, path in sorted(self._my_files(iteration).items()):
+            shard, why = self._read_copy(path, iteration, owner)
+            if shard is not None:
+                good[owner] = shard
+            else:
+                bad[owner] = why
+                self._set_aside([path], f"copy of rank {owner}'s shard: {why}")
+        reports = _all_gather((sorted(good), bad))
+        self._log_bad_copies(iteration, reports)
+        holders: dict[int, list[int]] = {}
+        for rank, (owners, _) in enumerate(reports):
+            for owner in owners:
+                holders.setdefault(owner, []).append(rank)
+        missing = [r for r in range(len(reports)) if r not in holders]
+        if missing:  # the same on every rank: all gathered the same reports
+            return None if me not in missing else self._no_copy_reason(me, reports)
+        shard, sender = self._fetch(iteration, good, reports)
+        why = shard.problem()
+        if why is None:
+            try:
+                self._fetched = (iteration, shard.unseal())
+            except Exception as err:  # noqa: BLE001 - a verified copy that still does not unpickle
+                why = f"unreadable after verification ({type(err).__name__}: {str(err)[:200]})"
+        self._log_replica_use(iteration, sender)
+        return None if why is None else f"copy of its shard received from rank {sender}: {why}"
+
+    def _no_copy_reason(self, me: int, reports) -> str:
+        own = reports[me][1].get(me, "missing")
+        others = [f"rank {r}: {bad[me]}" for r, (_, bad) in enumerate(reports) if me in bad and r != me]
+        replicas = "; replicas: " + ", ".join(others) if others else (
+            "; no replica" if self.manager.repl_strategy is None else "; no replica found")
+        return f"no verified copy of its shard (own copy: {own}{replicas})"
+
+    def _fetch(self, iteration: int, good: dict[int, SealedShard], reports) -> tuple[SealedShard, int]:
+        me = parallel.rank()
+        strategy = self.manager.repl_strategy
+        if strategy is None:
+            return good[me], me
+        ids = [[(iteration, owner, SESSION) for owner in owners] for owners, _ in reports]
+        wanted = (iteration, me, SESSION)
+        plan = strategy.retrieve_plan(ids, [wanted])
+        mine = {ckpt_id: good[ckpt_id[1]] for ckpt_id in plan.required_ids()}
+        received = strategy.retrieve_execute(plan, mine)
+        sender = next(e.sender for e in plan.entries if e.receiver == me)
+        return received[wanted], sender
+
+    def _log_bad_copies(self, iteration: int, reports) -> None:
+        for rank, (_, bad) in enumerate(reports):
+            for owner, why in bad.items():
+                events.decision("quarantine", f"local iteration {iteration}: rank {rank}'s copy of rank "
+                                f"{owner}'s shard rejected ({why}); moved to its {QUARANTINE_DIR}/ directory",
+                                tier=self.name, iteration=iteration, rank=rank, owner=owner, reason=why)
+
+    def _log_replica_use(self, iteration: int, sender: int) -> None:
+        senders = _all_gather(sender)
+        moved = [f"rank {r} from rank {s}" for r, s in enumerate(senders) if s != r]
+        if moved:
+            events.decision("replica", f"local iteration {iteration}: shards fetched from replicas: "
+                            + ", ".join(moved), tier=self.name, iteration=iteration)
+
+    def saved_args(self, candidate: TierCandidate) -> dict:
+        assert self._fetched is not None and self._fetched[0] == candidate.iteration
+        return dict(self._fetched[1].common.get("args", {}))
+
+    def load(self, candidate: TierCandidate, sharded_template: dict) -> dict:
+        iteration, state = self._fetched
+        assert iteration == candidate.iteration
+        self._fetched = None
+        # megatron-core's broadcast exchange stages tensors on CUDA; its gather_object one does not.
+        exchange = "broadcast" if torch.cuda.is_available() else "gather_object"
+        return state.to_state_dict(sharded_template, algo=self.algo, exchange_algo=exchange,
+                                   parallelization_group=_dp_group())
+
+    def quarantine(self, candidate: TierCandidate, reason: str) -> None:
+        self._fetched = None
+        self._set_aside(list(self._my_files(candidate.iteration).values()), reason)
+        self.manager.latest_iteration = -1
+        events.decision("quarantine", f"local iteration {candidate.iteration}: every rank moved its "
+                        f"files to <rank>/{QUARANTINE_DIR}/: {reason}; never loaded again",
+                        tier=self.name, iteration=candidate.iteration, reason=reason)
+        if dist.is_initialized():
+            dist.barrier()
+
+    def _set_aside(self, paths: list[Path], reason: str) -> None:
+        """Move shards (with their manifests) out of NVRx's sight, keeping them for inspection."""
+        if not paths:
+            return
+        target = self.my_dir / QUARANTINE_DIR
+        target.mkdir(exist_ok=True)
+        for path in paths:
+            for part in (path, Path(str(path) + MANIFEST_SUFFIX)):
+                if part.exists():
+                    os.replace(part, target / part.name)
+            with open(target / (path.name + ".REASON.txt"), "w") as f:
+                f.write(reason + "\n")
+
+    # ---- save side -------------------------------------------------------------------------
+    def save(self, sharded_state: dict, iteration: int) -> str:
+        state, _ = MCoreTensorAwareStateDict.from_state_dict(
+            sharded_state, algo=self.algo, parallelization_group=_dp_group())
+        state.copy_tensors_to_cpu(non_blocking=False)
+        shard = SealedShard.seal(state, iteration=iteration, owner=parallel.rank(), comm_device=comm_device())
+        self.manager.on_written = self.on_staged
+        self.manager.latest_iteration = -1  # NVRx refuses iterations below its cache (after a rollback)
+        try:
+            self.manager.save(shard, iteration)
+            error = None
+        except CheckpointingException as err:
+            error = str(err)
+        failures = [f"rank {r}: {f}" for r, f in enumerate(_all_gather(self.manager.write_failure)) if f]
+        if error is not None:
+            raise CheckpointSaveError(f"local checkpoint of iteration {iteration} is incomplete ("
+                                      + ("; ".join(failures) or error) + ")")
+        if failures:
+            events.decision("save", f"local iteration {iteration} saved, but some copies failed: "
+                            + "; ".join(failures), tier=self.name, iteration=iteration)
+        return self._describe(iteration)
+
+    def startup_cleanup(self) -> None:
+        removed = 0
+        names = {p.name for p in self.my_dir.iterdir() if p.is_file()} if self.my_dir.is_dir() else set()
+        for name in sorted(names):
+            orphaned_manifest = name.endswith(MANIFEST_SUFFIX) and name[:-len(MANIFEST_SUFFIX)] not in names
+            if ".dirty" in name or ".tmp." in name or orphaned_manifest:
+                (self.my_dir / name).unlink()
+                removed += 1
+        counts = _all_gather(removed)
+        if sum(counts):
+            events.decision("cleanup", f"local tier: removed {sum(counts)} leftover(s) of interrupted "
+                            "saves (.dirty shards, orphaned manifests); never loaded",
+                            tier=self.name, per_rank=counts)
+
+
+def _looks_like_ours(path: Path) -> bool:
+    """A shard written by this tier always has a manifest: a sibling manifest means ours."""
+    return any(p.name.endswith(MANIFEST_SUFFIX) for p in path.parent.iterdir())
+
+
+def _as_tensor(payload: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+
+
+def _dp_group():
+    return parallel_state.get_data_parallel_group(with_context_parallel=True)
+
+
+def _all_gather(obj) -> list:
+    if not dist.is_initialized():
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

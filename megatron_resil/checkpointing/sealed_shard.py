@@ -1,0 +1,96 @@
+"""One rank's local checkpoint, serialized once by its owner: the unit the local tier writes,
+replicates and verifies.
+
+The owner turns its tensor-aware state dict into bytes and records their size and CRC32 at that
+moment. Every copy, its own file or a replica on another node, is those same bytes, so one checksum
+computed by the owner verifies all of them, at rest and after every transfer. (NVRx replicates the
+tensors and each holder pickles them again, so a copy could never be checked against its owner.)
+
+Reading a shard unpickles it with `torch.load(weights_only=True)` and only megatron-core's three
+checkpoint classes allowed, and only after its checksum matched: a local checkpoint directory is
+node-local scratch space, and nothing found there runs code.
+"""
+
+from __future__ import annotations
+
+import io
+import zlib
+
+import torch
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
+from nvidia_resiliency_ext.checkpointing.local.base_state_dict import TensorAwareStateDict
+
+_SAFE_CLASSES = [MCoreTensorAwareStateDict, ShardedTensor, ShardedObject]
+
+
+def crc32_of(data) -> int:
+    return zlib.crc32(memoryview(data).cast("B"))
+
+
+class SealedShard(TensorAwareStateDict):
+    """Bytes plus the owner's account of them: {"iteration", "owner", "size", "crc32"}.
+
+    To NVRx this is a state dict with a single tensor (the bytes), which is what its replication
+    and its exchange plans move between ranks. `comm_device` is where the bytes travel: the CPU
+    with gloo, the GPU with NCCL.
+    """
+
+    def __init__(self, payload: torch.Tensor | None, meta: dict, comm_device: str = "cpu") -> None:
+        self.payload = payload
+        self.meta = dict(meta)
+        self.comm_device = comm_device
+
+    @classmethod
+    def seal(cls, state: MCoreTensorAwareStateDict, *, iteration: int, owner: int,
+             comm_device: str = "cpu") -> SealedShard:
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        payload = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
+        meta = {"iteration": iteration, "owner": owner, "size": payload.numel(),
+                "crc32": crc32_of(payload.numpy())}
+        return cls(payload, meta, comm_device)
+
+    def problem(self) -> str | None:
+        """None if the bytes are what the owner sealed, else why not."""
+        if self.payload is None:
+            return "no data"
+        if self.payload.numel() != self.meta["size"]:
+            return f"{self.payload.numel()} bytes, its owner sealed {self.meta['size']}"
+        crc = crc32_of(self.payload.numpy())
+        if crc != self.meta["crc32"]:
+            return f"fails its owner's checksum (crc32 {crc:08x}, owner's {self.meta['crc32']:08x})"
+        return None
+
+    def unseal(self) -> MCoreTensorAwareStateDict:
+        with torch.serialization.safe_globals(_SAFE_CLASSES):
+            state = torch.load(io.BytesIO(self.payload.numpy().tobytes()), weights_only=True)
+        state.restore_tensor_device(non_blocking=False)
+        return state
+
+    # ---- TensorAwareStateDict: what NVRx calls to move the shard between ranks --------------
+    def pop_tensors(self) -> list[torch.Tensor]:
+        data = self.payload.to(self.comm_device)
+        self.payload = None
+        return [data]
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.payload]
+
+    @property
+    def is_hollow(self) -> bool:
+        return self.payload is None
+
+    def insert_tensors(self, tensor_data) -> None:
+        (data,) = list(tensor_data)
+        self.payload = data
+
+    def init_tensors(self) -> None:
+        self.payload = torch.empty(self.meta["size"], dtype=torch.uint8, device=self.comm_device)
+
+    def copy_tensors_to_cpu(self, non_blocking: bool = False) -> None:
+        self.payload = self.payload.to("cpu")
+
+    def restore_tensor_device(self, non_blocking: bool = True) -> None:
+        pass  # the bytes live on the CPU; the unsealed state restores its own devices
