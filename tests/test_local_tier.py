@@ -1,0 +1,165 @@
+"""The node-local tier (--non-persistent-ckpt-type local) under real torchrun runs: node loss with
+replication, corruption of own shards, replicas and manifests, and a NaN written with consistent
+checksums (the canary). Every fault is done to the real files on disk."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+from megatron_resil.checkpointing.sealed_shard import SealedShard
+from tests import launch
+
+pytestmark = pytest.mark.slow
+
+
+def _args(root: Path, iters: int, nproc: int, jump: int, extra=()) -> list[str]:
+    return [*launch.TINY_MODEL, *launch.TINY_TRAINING, "--global-batch-size", str(2 * nproc),
+            "--train-iters", str(iters), "--save", str(root / "save"), "--load", str(root / "save"),
+            "--save-interval", "5", "--non-persistent-ckpt-type", "local",
+            "--non-persistent-local-ckpt-dir", str(root / "local"), "--non-persistent-save-interval", "3",
+            "--replication", "--replication-jump", str(jump), "--replication-factor", "2", *extra]
+
+
+def _killed_after_local_save(root: Path, nproc: int, jump: int) -> dict:
+    """Persistent iteration 5 and local iteration 6, then every rank is killed before iteration 9
+    (so iterations 7 and 8 are the reference for the resumed run)."""
+    run = launch.run(_args(root, 12, nproc, jump,
+                           ["--inject-fault", "kill", "--inject-fault-iteration", "9",
+                            "--inject-fault-ranks", "0"]), nproc=nproc)
+    assert "successfully saved local checkpoint from iteration       6" in run.stdout, run.stdout[-3000:]
+    assert (root / "save" / "iter_0000005").is_dir()
+    return launch.losses(run.stdout)
+
+
+def test_node_loss_resumes_from_replicas_and_continues_exactly(tmp_path):
+    """4 ranks as 2 nodes (ranks 0,1 and 2,3), copies 2 ranks apart: node 2's directories deleted."""
+    reference = _killed_after_local_save(tmp_path, nproc=4, jump=2)
+    for rank in (2, 3):
+        shutil.rmtree(tmp_path / "local" / str(rank))
+    # A crashed save's leftover must not block the next save of that iteration (it does in NVRx).
+    (tmp_path / "local" / "0" / "iter_0000009_0_local.dirty.pt").write_bytes(b"torn")
+    result = launch.run(_args(tmp_path, 9, 4, 2), nproc=4)
+    assert result.returncode == 0, result.stdout[-3000:]
+    out = result.stdout
+    assert "shards fetched from replicas: rank 2 from rank 0, rank 3 from rank 1" in out
+    assert "[resil] load: accepted local iteration 6" in out
+    assert "at iteration 6 (local tier" in out
+    resumed = launch.losses(out)
+    assert resumed[7] == reference[7] and resumed[8] == reference[8]
+    assert "successfully saved local checkpoint from iteration       9" in out
+    for rank in range(4):  # the lost node's directories hold their shards again, one iteration kept
+        names = sorted(p.name for p in (tmp_path / "local" / str(rank)).glob("iter_*_local.pt"))
+        assert names == sorted(f"iter_0000009_{owner}_local.pt" for owner in (rank, (rank + 2) % 4))
+
+
+@pytest.fixture(scope="module")
+def two_ranks_crashed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("local2")
+    _killed_after_local_save(root, nproc=2, jump=1)
+    return root
+
+
+def _copy(source: Path, tmp_path: Path) -> Path:
+    root = tmp_path / "run"
+    shutil.copytree(source, root)
+    return root
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _shard(root: Path, holder: int, owner: int) -> Path:
+    return root / "local" / str(holder) / f"iter_0000006_{owner}_local.pt"
+
+
+def _resume(root: Path) -> str:
+    result = launch.run(_args(root, 8, 2, 1))
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert sorted(launch.losses(result.stdout))[-1] == 8
+    return result.stdout
+
+
+def test_bad_copies_are_set_aside_and_each_rank_uses_a_verified_one(two_ranks_crashed, tmp_path):
+    root = _copy(two_ranks_crashed, tmp_path)
+    _flip(_shard(root, holder=1, owner=1))  # rank 1's own shard: its replica on rank 0 must serve
+    _truncate(_shard(root, holder=1, owner=0))  # a replica: rank 0's own copy is used
+    out = _resume(root)
+    assert "rank 1's copy of rank 1's shard rejected (fails its owner's checksum" in out
+    assert "rank 1's copy of rank 0's shard rejected (" in out
+    assert "shards fetched from replicas: rank 1 from rank 0" in out
+    assert "[resil] load: accepted local iteration 6" in out
+    assert sorted(p.name for p in (root / "local" / "1" / "quarantined").glob("*.pt")) == \
+        ["iter_0000006_0_local.pt", "iter_0000006_1_local.pt"]
+
+
+def test_no_verified_copy_anywhere_moves_every_rank_to_the_persistent_checkpoint(two_ranks_crashed, tmp_path):
+    root = _copy(two_ranks_crashed, tmp_path)
+    _flip(_shard(root, holder=1, owner=1))
+    _truncate(_shard(root, holder=0, owner=1))
+    out = _resume(root)
+    assert "[resil] load: rejected local iteration 6" in out
+    assert "rank 1: no verified copy of its shard" in out
+    assert "[resil] load: accepted persistent iteration 5" in out
+    # Every rank set the whole iteration aside, good copies included: it is never tried again.
+    for holder in (0, 1):
+        kept = root / "local" / str(holder) / "quarantined"
+        assert sorted(p.name for p in kept.glob("iter_0000006_*_local.pt")) == \
+            ["iter_0000006_0_local.pt", "iter_0000006_1_local.pt"], holder
+
+
+def test_unparsable_and_mismatched_manifests_are_rejected(two_ranks_crashed, tmp_path):
+    root = _copy(two_ranks_crashed, tmp_path)
+    Path(str(_shard(root, holder=0, owner=0)) + ".manifest.json").write_text("{not json")
+    wrong = Path(str(_shard(root, holder=1, owner=0)) + ".manifest.json")
+    wrong.write_text(json.dumps({**json.loads(wrong.read_text()), "iteration": 3}))
+    out = _resume(root)
+    assert "manifest unparsable" in out and "manifest is for rank 0 iteration 3" in out
+    assert "[resil] load: rejected local iteration 6" in out
+    assert "[resil] load: accepted persistent iteration 5" in out
+
+
+def _poison(path: Path) -> None:
+    """Rewrite a shard with NaN in one weight and a manifest that matches it, as NVRx #349 saw."""
+    meta = json.loads(Path(str(path) + ".manifest.json").read_text())
+    shard = SealedShard(torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8), meta)
+    state = shard.unseal()
+    weight = next(t for t in nested_values(state.sharded_state_dict)
+                  if isinstance(t, ShardedTensor) and t.data is not None and "weight" in t.key
+                  and not t.key.startswith("optimizer"))
+    with torch.no_grad():
+        weight.data.view(-1)[0] = float("nan")
+    resealed = SealedShard.seal(state, iteration=meta["iteration"], owner=meta["owner"])
+    path.write_bytes(resealed.payload.numpy().tobytes())
+    Path(str(path) + ".manifest.json").write_text(json.dumps({**resealed.meta, "format": "sealed-v1"}))
+
+
+def test_nan_written_with_consistent_checksums_trips_the_canary_once(two_ranks_crashed, tmp_path):
+    root = _copy(two_ranks_crashed, tmp_path)
+    for holder in (0, 1):
+        _poison(_shard(root, holder=holder, owner=0))
+    poisoned = _shard(root, holder=0, owner=0).read_bytes()
+    out = _resume(root)
+    assert "[resil] load: accepted local iteration 6" in out  # checksums cannot know
+    assert "[resil] canary: local iteration 6 is bad although it verified: non-finite loss" in out
+    assert "[resil] load: accepted persistent iteration 5" in out
+    # The run completed from the persistent checkpoint with finite losses again.
+    final = launch.losses(out)[8]
+    assert final[0] != "nan" and "nan" not in final[1].lower()
+    reasons = list((root / "local" / "0" / "quarantined").glob("*.REASON.txt"))
+    assert reasons and "canary" in reasons[0].read_text()
+    # The poisoned bytes are nowhere the loader looks; a restart cannot pick them up again.
+    assert all(p.read_bytes() != poisoned for p in (root / "local").glob("*/iter_*_local.pt"))
