@@ -50,8 +50,8 @@ def test_flipped_bit_in_a_shard_is_rejected_quarantined_and_the_run_falls_back(t
 
     which = _tool("which", root)
     assert which.returncode == 0
-    assert "would reject iteration 4" in which.stdout and "fails its checksum" in which.stdout
-    assert "would load iteration 2" in which.stdout
+    assert "would reject persistent iteration 4" in which.stdout and "fails its checksum" in which.stdout
+    assert "would load persistent iteration 2" in which.stdout
 
     result = launch.run(_train_args(root, 3))
     assert result.returncode == 0, result.stdout[-3000:]

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -110,6 +112,12 @@ def test_no_verified_copy_anywhere_moves_every_rank_to_the_persistent_checkpoint
     root = _copy(two_ranks_crashed, tmp_path)
     _flip(_shard(root, holder=1, owner=1))
     _truncate(_shard(root, holder=0, owner=1))
+    which = subprocess.run([sys.executable, "-m", "megatron_resil.tools.ckpt", "which", str(root / "save"),
+                            "--non-persistent-local-ckpt-dir", str(root / "local")],
+                           env=launch.env(), capture_output=True, text=True, timeout=120)
+    assert "would reject local iteration 6" in which.stdout, which.stdout + which.stderr
+    assert "rank 1's shard has no verified copy" in which.stdout
+    assert "would load persistent iteration 5" in which.stdout and which.returncode == 0
     out = _resume(root)
     assert "[resil] load: rejected local iteration 6" in out
     assert "rank 1: no verified copy of its shard" in out

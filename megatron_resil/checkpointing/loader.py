@@ -51,7 +51,7 @@ def _one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {first_line}"
 
 
-def _newest_first(tiers: list[CheckpointTier]):
+def newest_first(tiers: list[CheckpointTier]):
     """Merge the tiers' lists by iteration, newest first, keeping each tier's own order (its tracker's
     pick first) and, at equal iterations, the order of `tiers` (most trusted first)."""
     queues = [(tier, list(tier.candidates())) for tier in tiers]
@@ -63,7 +63,7 @@ def _newest_first(tiers: list[CheckpointTier]):
 def load_first_verified(tiers: list[CheckpointTier],
                         make_template: Callable[[TierCandidate, dict], dict]) -> LoadResult | None:
     """`tiers` in order of trust; candidates are tried newest first across all of them."""
-    for tier, candidate in _newest_first(tiers):
+    for tier, candidate in newest_first(tiers):
         where = f"{candidate.tier} iteration {candidate.iteration} ({candidate.path})"
         reason = tier.verify(candidate)
         if not parallel.all_ranks_agree(reason is None):

@@ -129,34 +129,10 @@ class LocalTier(CheckpointTier):
         return [TierCandidate(self.name, it, self._describe(it), "node-local shards") for it in everywhere]
 
     def _describe(self, iteration: int) -> str:
-        return os.path.join(self.root, "<rank>", f"iter_{iteration:07d}_<rank>_local.pt")
+        return describe(self.root, iteration)
 
     def _read_copy(self, path: Path, iteration: int, owner: int) -> tuple[SealedShard | None, str | None]:
-        """This rank's copy of `owner`'s shard, checked against the owner's manifest."""
-        try:
-            payload = path.read_bytes()
-        except OSError as err:
-            return None, f"unreadable ({err.strerror})"
-        manifest_path = Path(str(path) + MANIFEST_SUFFIX)
-        try:
-            meta = json.loads(manifest_path.read_text())
-            meta = {k: int(meta[k]) for k in ("iteration", "owner", "size", "crc32")}
-        except FileNotFoundError:
-            if _looks_like_ours(path):
-                return None, "manifest missing"
-            events.warn(f"{path} has no manifest (saved by Megatron-LM or an older megatron-resil); "
-                        "it is loaded unverified")
-            meta = {"iteration": iteration, "owner": owner, "size": len(payload),
-                    "crc32": crc32_of(payload)}
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            return None, f"manifest unparsable ({type(err).__name__})"
-        if (meta["iteration"], meta["owner"]) != (iteration, owner):
-            return None, (f"manifest is for rank {meta['owner']} iteration {meta['iteration']}, "
-                          f"not rank {owner} iteration {iteration}")
-        shard = SealedShard(_as_tensor(payload), meta, comm_device())
-        if not self.verify_checksums and len(payload) == meta["size"]:
-            return shard, None
-        return (None, why) if (why := shard.problem()) else (shard, None)
+        return read_copy(path, iteration, owner, checksums=self.verify_checksums)
 
     def verify(self, candidate: TierCandidate) -> str | None:
         """Collective (all ranks verify the same candidate in the same order): check every copy
@@ -296,6 +272,53 @@ class LocalTier(CheckpointTier):
             events.decision("cleanup", f"local tier: removed {sum(counts)} leftover(s) of interrupted "
                             "saves (.dirty shards, orphaned manifests); never loaded",
                             tier=self.name, per_rank=counts)
+
+
+def describe(root: str, iteration: int) -> str:
+    """How a local iteration is named in logs: one file per rank directory."""
+    return os.path.join(root, "<rank>", f"iter_{iteration:07d}_<rank>_local.pt")
+
+
+def read_copy(path: Path, iteration: int, owner: int, *,
+              checksums: bool = True) -> tuple[SealedShard | None, str | None]:
+    """A copy of `owner`'s shard as found on disk, checked against the owner's manifest:
+    (shard, None) or (None, why)."""
+    try:
+        payload = path.read_bytes()
+    except OSError as err:
+        return None, f"unreadable ({err.strerror})"
+    try:
+        meta = json.loads(Path(str(path) + MANIFEST_SUFFIX).read_text())
+        meta = {k: int(meta[k]) for k in ("iteration", "owner", "size", "crc32")}
+    except FileNotFoundError:
+        if _looks_like_ours(path):
+            return None, "manifest missing"
+        events.warn(f"{path} has no manifest (saved by Megatron-LM or an older megatron-resil); "
+                    "it is loaded unverified")
+        meta = {"iteration": iteration, "owner": owner, "size": len(payload), "crc32": crc32_of(payload)}
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return None, f"manifest unparsable ({type(err).__name__})"
+    if (meta["iteration"], meta["owner"]) != (iteration, owner):
+        return None, (f"manifest is for rank {meta['owner']} iteration {meta['iteration']}, "
+                      f"not rank {owner} iteration {iteration}")
+    shard = SealedShard(_as_tensor(payload), meta, comm_device())
+    if not checksums and len(payload) == meta["size"]:
+        return shard, None
+    return (None, why) if (why := shard.problem()) else (shard, None)
+
+
+def inspect_copies(root: str, checksums: bool = True) -> dict[int, dict[int, dict[int, str | None]]]:
+    """Offline, for tools: {iteration: {owner: {holder rank: None or why}}} over every rank
+    directory under `root` visible from this machine. Reads everything, changes nothing."""
+    found: dict[int, dict[int, dict[int, str | None]]] = {}
+    for rank_dir in sorted(Path(root).iterdir()) if Path(root).is_dir() else []:
+        if not (rank_dir.is_dir() and rank_dir.name.isdigit()):
+            continue
+        for path in sorted(rank_dir.glob("iter_*_*_local.pt")):
+            iteration, owner = _iteration_of(path.name), _owner_of(path.name)
+            _, why = read_copy(path, iteration, owner, checksums=checksums)
+            found.setdefault(iteration, {}).setdefault(owner, {})[int(rank_dir.name)] = why
+    return found
 
 
 def _looks_like_ours(path: Path) -> bool:

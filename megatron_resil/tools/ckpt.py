@@ -1,9 +1,16 @@
 """Inspect a checkpoint directory without training: what is there, whether each checkpoint verifies,
 and which one `pretrain.py --load DIR` would resume from, and why.
 
-    python -m megatron_resil.tools.ckpt list DIR
-    python -m megatron_resil.tools.ckpt verify DIR [--iteration N]
-    python -m megatron_resil.tools.ckpt which DIR
+    python -m megatron_resil.tools.ckpt list DIR [TIERS]
+    python -m megatron_resil.tools.ckpt verify DIR [TIERS] [--iteration N]
+    python -m megatron_resil.tools.ckpt which DIR [TIERS]
+
+DIR is the --save/--load directory (the persistent tier). TIERS adds the others, with the paths the
+run was given: --non-persistent-global-ckpt-dir D and --non-persistent-local-ckpt-dir D. The local
+tier is read from every rank directory visible from this machine (on a cluster: run it on a node
+for that node's ranks, or where the directories are gathered); a copy lost with its node counts as
+missing. `which` tries the candidates in the order pretrain.py does: newest first across tiers,
+local first at equal iterations.
 
 Read-only: it never quarantines, cleans or rewrites anything. Exit codes: 0 fine, 1 a checkpoint
 failed verification (verify) or nothing is loadable (which), 2 bad arguments.
@@ -16,16 +23,81 @@ import os
 import sys
 
 from megatron_resil.checkpointing import layout
+from megatron_resil.checkpointing.loader import newest_first
+from megatron_resil.checkpointing.local_tier import QUARANTINE_DIR, describe, inspect_copies
 from megatron_resil.checkpointing.manifest import has_manifest, read_manifest
+from megatron_resil.checkpointing.tier import TierCandidate
 from megatron_resil.checkpointing.torch_dist_tier import TorchDistTier
 from megatron_resil.checkpointing.tracker import read_tracker
+
+
+class OfflineLocalTier:
+    """The local tier as this machine sees it, without a running job: a candidate iteration is
+    loadable if every rank's shard has at least one verified copy in some rank directory."""
+
+    name = "local"
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.copies = inspect_copies(root)
+        rank_dirs = [p for p in os.listdir(root) if p.isdigit()] if os.path.isdir(root) else []
+        owners = [o for by_owner in self.copies.values() for o in by_owner]
+        self.world = max([len(rank_dirs), *(o + 1 for o in owners)], default=0)
+
+    def candidates(self) -> list[TierCandidate]:
+        return [TierCandidate("local", it, describe(self.root, it), "node-local shards")
+                for it in sorted(self.copies, reverse=True)]
+
+    def verify(self, candidate: TierCandidate) -> str | None:
+        by_owner = self.copies[candidate.iteration]
+        for owner in range(self.world):
+            copies = by_owner.get(owner, {})
+            if not any(why is None for why in copies.values()):
+                seen = "; ".join(f"copy on rank {h}: {why}" for h, why in sorted(copies.items()))
+                return f"rank {owner}'s shard has no verified copy ({seen or 'no copy found'})"
+        return None
+
+    def describe(self, iteration: int) -> list[str]:
+        lines = []
+        for owner, copies in sorted(self.copies[iteration].items()):
+            held = ", ".join(f"rank {h}: {'ok' if why is None else why}" for h, why in sorted(copies.items()))
+            lines.append(f"    rank {owner}'s shard: {held}")
+        return lines
 
 
 def _size(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
-def cmd_list(root: str) -> int:
+def cmd_list(root: str, local: str | None, non_persistent: str | None) -> int:
+    print(f"persistent tier {root}")
+    _list_global(root)
+    if non_persistent:
+        print(f"non-persistent global tier {non_persistent}")
+        _list_global(non_persistent)
+    if local:
+        print(f"local tier {local}")
+        tier = OfflineLocalTier(local)
+        for iteration in sorted(tier.copies, reverse=True):
+            print(f"  iteration {iteration}")
+            print("\n".join(tier.describe(iteration)))
+        for reason in sorted(_glob_reasons(local)):
+            print(f"  quarantined {reason}")
+    return 0
+
+
+def _glob_reasons(root: str) -> list[str]:
+    found = []
+    for rank in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        qdir = os.path.join(root, rank, QUARANTINE_DIR)
+        for name in sorted(os.listdir(qdir)) if os.path.isdir(qdir) else []:
+            if name.endswith(".REASON.txt"):
+                with open(os.path.join(qdir, name)) as f:
+                    found.append(f"{rank}/{QUARANTINE_DIR}/{name[:-len('.REASON.txt')]}: {f.read().strip()}")
+    return found
+
+
+def _list_global(root: str) -> None:
     reading = read_tracker(root)
     tracker = "release" if reading.iteration == -1 else reading.iteration
     print(f"tracker: {tracker if reading.problem is None else reading.problem}")
@@ -45,34 +117,44 @@ def cmd_list(root: str) -> int:
     return 0
 
 
-def cmd_verify(root: str, iteration: int | None) -> int:
-    tier = TorchDistTier(root)
+def _tiers(root: str, local: str | None, non_persistent: str | None) -> list:
+    """In pretrain.py's order of trust at equal iterations."""
+    tiers: list = [TorchDistTier(root)]
+    if local:
+        tiers.insert(0, OfflineLocalTier(local))
+    if non_persistent:
+        tiers.append(TorchDistTier(non_persistent, name="non-persistent"))
+    return tiers
+
+
+def cmd_verify(tiers: list, iteration: int | None) -> int:
     failed = 0
-    for candidate in tier.candidates():
+    for tier, candidate in newest_first(tiers):
         if iteration is not None and candidate.iteration != iteration:
             continue
         reason = tier.verify(candidate)
         if reason is not None:
             verdict = f"FAILED: {reason}"
+        elif candidate.tier == "local":
+            verdict = "ok (every rank's shard has a copy matching its owner's checksum)"
         elif has_manifest(candidate.path):
             verdict = "ok (sizes and checksums match the manifest)"
         else:
             verdict = "ok (no manifest: presence of .metadata only)"
         failed += reason is not None
-        print(f"iter_{candidate.iteration:07d}: {verdict}")
+        print(f"{candidate.tier} iteration {candidate.iteration}: {verdict}")
     return 1 if failed else 0
 
 
-def cmd_which(root: str) -> int:
-    tier = TorchDistTier(root)
-    for candidate in tier.candidates():
+def cmd_which(tiers: list) -> int:
+    for tier, candidate in newest_first(tiers):
         reason = tier.verify(candidate)
-        where = f"iteration {candidate.iteration} ({candidate.path})"
+        where = f"{candidate.tier} iteration {candidate.iteration} ({candidate.path})"
         if reason is None:
             print(f"would load {where}: verified, {candidate.note}")
             return 0
         print(f"would reject {where}: {reason}")
-    print(f"nothing loadable under {root}")
+    print("nothing loadable in " + ", ".join(tier.root for tier in tiers))
     return 1
 
 
@@ -82,14 +164,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=["list", "verify", "which"])
     parser.add_argument("dir", help="a --save/--load directory")
     parser.add_argument("--iteration", type=int, default=None, help="verify only this iteration")
+    parser.add_argument("--non-persistent-local-ckpt-dir", dest="local", default=None,
+                        help="also the local tier under this root (<root>/<rank>/...)")
+    parser.add_argument("--non-persistent-global-ckpt-dir", dest="non_persistent", default=None,
+                        help="also the global non-persistent tier in this directory")
     args = parser.parse_args(argv)
-    if not os.path.isdir(args.dir):
-        parser.error(f"{args.dir} is not a directory; give a --save/--load directory")
+    for flag, path in (("DIR", args.dir), ("--non-persistent-local-ckpt-dir", args.local),
+                       ("--non-persistent-global-ckpt-dir", args.non_persistent)):
+        if path is not None and not os.path.isdir(path):
+            parser.error(f"{flag} {path} is not a directory; give the directory the run was given")
     if args.command == "list":
-        return cmd_list(args.dir)
+        return cmd_list(args.dir, args.local, args.non_persistent)
+    tiers = _tiers(args.dir, args.local, args.non_persistent)
     if args.command == "verify":
-        return cmd_verify(args.dir, args.iteration)
-    return cmd_which(args.dir)
+        return cmd_verify(tiers, args.iteration)
+    return cmd_which(tiers)
 
 
 if __name__ == "__main__":
