@@ -124,7 +124,7 @@ class SaveStepTimer:
     """
 
     TIER_STEPS = ("_make_staging", "get_default_save_sharded_strategy",
-                  "_checksum_own_shards", "_gather", "_barrier", "fsync_tree", "fsync_dir", "write_manifest",
+                  "checksum_own_shards", "_gather", "_barrier", "fsync_tree", "fsync_dir", "write_manifest",
                   "publish_directory", "write_tracker", "checksum_files")
     COLLECTIVES = ("barrier", "all_gather_object", "broadcast_object_list", "all_reduce", "broadcast_object",
                    "all_ranks_agree", "any_rank")
@@ -447,7 +447,7 @@ def save_worker(opts: argparse.Namespace) -> None:
             raise ValueError(variant)
         torch_crc_off = variant in ("atomic_torch_crc_off", "atomic_no_crc")
         no_readback = variant in ("atomic_no_readback", "atomic_no_crc")
-        saved = getattr(tdt, "_checksum_own_shards", None)  # absent: nothing is read back to skip
+        saved = getattr(tdt, "checksum_own_shards", None)  # absent: nothing is read back to skip
 
         def sizes_only(staging: str) -> dict:
             prefix = f"__{parallel.rank()}_"
@@ -461,12 +461,12 @@ def save_worker(opts: argparse.Namespace) -> None:
             if no_readback and saved is not None:
                 # The manifest's per-shard CRC32 comes from reading the shards back after writing;
                 # this records their sizes only (the small files are still checksummed).
-                tdt._checksum_own_shards = sizes_only
+                tdt.checksum_own_shards = sizes_only
             yield
         finally:
             torch.serialization.set_crc32_options(True)
             if saved is not None:
-                tdt._checksum_own_shards = saved
+                tdt.checksum_own_shards = saved
 
     results = {
         "world_size": world,

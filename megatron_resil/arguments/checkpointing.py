@@ -51,6 +51,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="after resuming from a non-persistent checkpoint, a NaN or Inf loss or grad "
                         "norm within this many iterations rejects it and reloads the persistent "
                         "checkpoint (0: off)")
+    g.add_argument("--async-save", action="store_true",
+                   help="persistent and global non-persistent saves are written by a background worker "
+                        "while training continues; published atomically once every rank has written")
+    g.add_argument("--use-persistent-ckpt-worker", action="store_true",
+                   help="accepted for Megatron compatibility: the --async-save worker is always persistent")
+    g.add_argument("--async-save-timeout-secs", type=float, default=600.0,
+                   help="an async save not written within this time is dropped and its worker killed "
+                        "(the previous checkpoints stay; training continues)")
     g.add_argument("--ckpt-skip-checksums", action="store_true",
                    help="do not verify file checksums on load (sizes and the manifest still are)")
 
@@ -96,6 +104,10 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     if args.ckpt_keep_last is not None and args.ckpt_keep_last < 1:
         raise ArgumentError("--ckpt-keep-last must be at least 1")
     _validate_non_persistent(args, world_size)
+    if args.async_save and args.save is None:
+        raise ArgumentError("--async-save needs --save DIR")
+    if args.async_save_timeout_secs <= 0:
+        raise ArgumentError("--async-save-timeout-secs must be positive")
     if args.exit_on_missing_checkpoint and args.load is None:
         raise ArgumentError("--exit-on-missing-checkpoint needs --load DIR")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -16,6 +17,7 @@ from megatron.core import parallel_state
 
 from megatron_resil import events, exit_codes, parallel
 from megatron_resil.checkpointing import layout, loader, state
+from megatron_resil.checkpointing.async_save import AsyncSaves
 from megatron_resil.checkpointing.canary import LoadCanary
 from megatron_resil.checkpointing.dcp_writer import prepare_for_saving
 from megatron_resil.checkpointing.local_tier import LocalTier
@@ -46,6 +48,8 @@ class CheckpointConfig:
     local_algo: str
     replication: tuple[int, int] | None  # (jump, factor)
     canary_iters: int
+    async_save: bool
+    async_timeout_secs: float
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> CheckpointConfig:
@@ -64,7 +68,8 @@ class CheckpointConfig:
                    local_algo=args.non_persistent_local_ckpt_algo,
                    replication=(args.replication_jump, args.replication_factor)
                    if args.replication else None,
-                   canary_iters=args.non_persistent_canary_iters)
+                   canary_iters=args.non_persistent_canary_iters,
+                   async_save=args.async_save, async_timeout_secs=args.async_save_timeout_secs)
 
 
 class CheckpointManager:
@@ -75,6 +80,7 @@ class CheckpointManager:
         self.save_tier = TorchDistTier(config.save) if config.save else None
         self.non_persistent_tier = _non_persistent_tier(config)
         self.canary = LoadCanary(config.canary_iters)
+        self.async_saves = AsyncSaves(config.async_timeout_secs) if config.async_save else None
         self.last_saved_iteration: int | None = None
         self._load_optim, self._load_rng = config.load_optim, config.load_rng
         for tier in (self.save_tier, self.non_persistent_tier):
@@ -87,6 +93,8 @@ class CheckpointManager:
         progress = self._load()
         if self.save_tier is not None:
             prepare_for_saving()  # training will start: get the writer's helper process going now
+        if self.async_saves is not None:
+            self.async_saves.worker.start()  # its start-up (imports) overlaps the first iterations
         return progress
 
     def _load(self, persistent_only: bool = False) -> TrainProgress:
@@ -177,10 +185,12 @@ class CheckpointManager:
 
     # ---- save ----------------------------------------------------------------------------------
     def maybe_save(self, progress: TrainProgress) -> bool:
-        """The interval saves: persistent when due, else non-persistent when due. True if it saved."""
+        """The interval saves: persistent when due, else non-persistent when due. True if it saved
+        (or, with --async-save, published a save) this iteration."""
         iteration = progress.iteration
+        published = self.async_saves.poll() if self.async_saves is not None else False
         if self.save_tier is not None and _due(iteration, self.config.save_interval):
-            return self.save(progress)
+            return self.save(progress, final=False) or published
         if self.non_persistent_tier is not None and _due(iteration, self.config.non_persistent_interval):
             try:
                 self._save_to(self.non_persistent_tier, progress)
@@ -189,34 +199,46 @@ class CheckpointManager:
                 # cheaper than losing the job.
                 events.decision("save", f"{err}; the previous checkpoints are intact; training "
                                 "continues", tier=self.non_persistent_tier.name, iteration=iteration)
-                return False
-            if parallel.is_rank0() and isinstance(self.non_persistent_tier, TorchDistTier):
-                # Only the newest is kept, as in Megatron (the local tier's NVRx does this itself).
-                apply_retention(self.non_persistent_tier.root, keep_last=1, retain_interval=None)
+                return published
             return True
-        return False
+        return published
 
-    def save(self, progress: TrainProgress) -> bool:
-        """A persistent save (interval, exit or end of training), unless this iteration is on disk."""
+    def save(self, progress: TrainProgress, final: bool = True) -> bool:
+        """A persistent save (interval, exit or end of training), unless this iteration is on disk.
+        A final save waits for a pending async one and is itself synchronous."""
+        if final and self.async_saves is not None:
+            self.async_saves.close()
         if self.save_tier is None or self.last_saved_iteration == progress.iteration:
             return False
-        self._save_to(self.save_tier, progress)
-        self.last_saved_iteration = progress.iteration
-        if parallel.is_rank0():
-            apply_retention(self.config.save, self.config.keep_last, self.config.save_retain_interval)
+        self._save_to(self.save_tier, progress, use_async=not final)
         return True
 
-    def _save_to(self, tier: CheckpointTier, progress: TrainProgress) -> None:
+    def _save_to(self, tier: CheckpointTier, progress: TrainProgress, use_async: bool = False) -> None:
         sharded = state.build_sharded_state(
             self.model, self.optimizer, self.scheduler, progress, self.args,
             with_optimizer=self.config.save_optim, with_rng=self.config.save_rng)
-        events.record("save_started", tier=tier.name, iteration=progress.iteration)
-        path = tier.save(sharded, progress.iteration)
-        events.record("save_published", tier=tier.name, iteration=progress.iteration, path=path)
+        events.record("save_started", tier=tier.name, iteration=progress.iteration, asynchronous=use_async)
+        if use_async and self.async_saves is not None and hasattr(tier, "save_async"):
+            self.async_saves.submit(tier, sharded, progress.iteration, self._published)
+            return
+        started = time.monotonic()
+        self._published(tier, progress.iteration, tier.save(sharded, progress.iteration),
+                        time.monotonic() - started)
+
+    def _published(self, tier: CheckpointTier, iteration: int, path: str, seconds: float) -> None:
+        if tier is self.save_tier:
+            self.last_saved_iteration = iteration
+        events.record("save_published", tier=tier.name, iteration=iteration, path=path,
+                      seconds=round(seconds, 3))
         tp = parallel_state.get_tensor_model_parallel_world_size()
         kind = "" if tier is self.save_tier else f"{tier.name} "
-        events.print_rank_0(f"  successfully saved {kind}checkpoint from iteration {progress.iteration:7d} "
+        events.print_rank_0(f"  successfully saved {kind}checkpoint from iteration {iteration:7d} "
                             f"to {tier.root} [ t 1/{tp}, p 1/1 ]")
+        if parallel.is_rank0() and isinstance(tier, TorchDistTier):
+            if tier is self.save_tier:
+                apply_retention(self.config.save, self.config.keep_last, self.config.save_retain_interval)
+            else:  # non-persistent: only the newest is kept, as in Megatron (NVRx does it for local)
+                apply_retention(tier.root, keep_last=1, retain_interval=None)
 
 
 def _non_persistent_tier(config: CheckpointConfig) -> CheckpointTier | None:

@@ -12,6 +12,8 @@ import shutil
 
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelSaveStrategyWrapper,
@@ -113,22 +115,47 @@ class TorchDistTier(CheckpointTier):
 
     # ---- save side -------------------------------------------------------------------------
     def save(self, sharded_state: dict, iteration: int) -> str:
-        dcp_writer.ensure_write_queue()
-        staging = self._on_rank0(lambda: _make_staging(self.root, iteration),
-                                 f"create a staging directory in {self.root}")
-        strategy = get_default_save_sharded_strategy(FORMAT)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            # Spread replicated tensors over data-parallel ranks, as Megatron does by default.
-            strategy = FullyParallelSaveStrategyWrapper(
-                strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
+        staging = self._begin(iteration)
         with dcp_writer.without_torch_record_crc():
-            dist_checkpointing.save(sharded_state, staging, sharded_strategy=strategy)
-        checksums = _gather(_checksum_own_shards(staging))
+            dist_checkpointing.save(sharded_state, staging, sharded_strategy=self._strategy())
+        return self.finish(staging, iteration, _gather(checksum_own_shards(staging)))
+
+    def save_async(self, sharded_state: dict, iteration: int):
+        """The collective part of an async save: plan and stage; returns (staging, request) where
+        megatron-core's request holds the writes (for the background worker) and its finalize steps.
+        The caller runs the finalize steps and then `finish` once every rank's writes are done."""
+        staging = self._begin(iteration)
+        request = dist_checkpointing.save(snapshot(sharded_state), staging, sharded_strategy=self._strategy(),
+                                          async_sharded_save=True)
+        return staging, request
+
+    def finish(self, staging: str, iteration: int, checksums: dict) -> str:
+        """Collective: publish a staged checkpoint whose shards every rank has written."""
         final = layout.iteration_dir(self.root, iteration)
         if self.on_staged is not None:
             self.on_staged(iteration)
         self._on_rank0(lambda: self._publish(staging, final, iteration, checksums), f"publish {final}")
         return final
+
+    def abandon(self, staging: str) -> None:
+        """Collective: drop a staged save that will never be published."""
+        if parallel.is_rank0():
+            shutil.rmtree(staging, ignore_errors=True)
+        _barrier()
+
+    def _begin(self, iteration: int) -> str:
+        dcp_writer.ensure_write_queue()
+        return self._on_rank0(lambda: _make_staging(self.root, iteration),
+                              f"create a staging directory in {self.root}")
+
+    @staticmethod
+    def _strategy():
+        strategy = get_default_save_sharded_strategy(FORMAT)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # Spread replicated tensors over data-parallel ranks, as Megatron does by default.
+            strategy = FullyParallelSaveStrategyWrapper(
+                strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
+        return strategy
 
     def _publish(self, staging: str, final: str, iteration: int, checksums: dict) -> None:
         fsync_tree(staging)  # common.pt and metadata.json are written without fsync
@@ -180,11 +207,26 @@ class TorchDistTier(CheckpointTier):
         _barrier()
 
 
-def _checksum_own_shards(staging: str) -> dict:
+def snapshot(sharded_state: dict) -> dict:
+    """The tensors as they are now, in private host memory: training goes on updating the live
+    ones while a background worker writes these (on GPU this is the device-to-host copy)."""
+    def copy(value):
+        if isinstance(value, ShardedTensor) and value.data is not None:
+            value.data = value.data.detach().to("cpu", copy=True)
+        return value
+    dict_list_map_inplace(copy, sharded_state)
+    return sharded_state
+
+
+def checksum_own_shards(staging: str) -> dict:
     """The shard files this rank wrote (`__<rank>_<n>.distcp`), checksummed by their writer."""
     prefix = f"__{parallel.rank()}_"
     own = sorted(name for name in os.listdir(staging) if name.startswith(prefix) and name.endswith(".distcp"))
     return checksum_files(staging, own)
+
+
+def gather_checksums(local: dict) -> dict:
+    return _gather(local)
 
 
 def _gather(local: dict) -> dict:

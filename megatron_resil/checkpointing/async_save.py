@@ -1,0 +1,220 @@
+"""--async-save: training goes on while a background worker writes the checkpoint; the atomic
+publish (manifest, rename, tracker) happens only once every rank's worker has written and
+checksummed its shards.
+
+One persistent worker process per rank (Megatron's --use-persistent-ckpt-worker; ours is always
+persistent). Not megatron-core's: its worker calls `torch.cuda.set_device` and dies on CPU, and a
+dead worker leaves the trainer blocked forever. Here every wait is bounded: a worker that died, or
+has not finished within --async-save-timeout-secs, is reported, that save is dropped (never
+published, the previous checkpoints intact), and the next save starts a fresh worker. Training
+continues. The end of training and every exit path wait for the pending save first.
+
+Each iteration the ranks agree, in one small all-reduce while a save is pending, whether every
+worker is done; so finalisation happens at the same iteration on every rank.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import queue
+import signal
+import time
+from dataclasses import dataclass
+
+import torch.multiprocessing as mp
+
+from megatron_resil import cpu_compat, events, parallel
+from megatron_resil.checkpointing import dcp_writer
+from megatron_resil.checkpointing.tier import CheckpointTier
+from megatron_resil.checkpointing.torch_dist_tier import checksum_own_shards, gather_checksums
+
+WORKER_NAME = b"resil-ckpt-wkr"  # the process name (comm) operators and tests see in ps
+
+
+def _worker_loop(trainer_pid: int, requests, results) -> None:
+    """Write what the trainer sends, checksum what was written, report. Deaf to the job-wide
+    SIGTERM/SIGINT (so a preemption does not break the save it asks for), gone with its trainer."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    cpu_compat.apply_if_needed()  # megatron-core's writer synchronises CUDA
+    try:
+        ctypes.CDLL(None).prctl(15, WORKER_NAME, 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+    while True:
+        try:
+            item = requests.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != trainer_pid:
+                return  # orphaned: the trainer is gone
+            continue
+        if item is None:
+            return
+        tag, write_fn, preload_fn, args, staging = item
+        try:
+            args = list(args)
+            if preload_fn is not None:
+                args[1] = preload_fn()
+            with dcp_writer.without_torch_record_crc():
+                write_fn(*args)
+            results.put((tag, None, checksum_own_shards(staging)))
+        except BaseException as err:  # noqa: BLE001 - reported to the trainer, which decides
+            results.put((tag, f"{type(err).__name__}: {err}", None))
+        del item, args
+
+
+class WriterProcess:
+    """This rank's persistent worker, started on first use and restarted after a failure."""
+
+    def __init__(self) -> None:
+        self._ctx = mp.get_context("spawn")
+        self.process = None
+        self._requests = self._results = None
+        self._atexit_registered = False
+        self._killed_by_us = False
+
+    def start(self) -> str | None:
+        """Make sure a worker is running; returns why an earlier one had to be replaced, if so."""
+        if self.process is not None and self.process.is_alive():
+            return None
+        replaced = None
+        if self.process is not None and not self._killed_by_us:
+            replaced = f"its worker (pid {self.process.pid}) had died, exit code {self.process.exitcode}"
+        self._requests, self._results = self._ctx.Queue(), self._ctx.Queue()
+        # Not a daemon: megatron-core's writer forks its own writers. So that an exiting trainer
+        # never waits on it, it is killed at exit (a pending save is unpublishable then anyway).
+        self.process = self._ctx.Process(target=_worker_loop,
+                                         args=(os.getpid(), self._requests, self._results))
+        self.process.start()
+        self._killed_by_us = False
+        if not self._atexit_registered:
+            atexit.register(self.kill)
+            self._atexit_registered = True
+        return replaced
+
+    def submit(self, tag: int, write_fn, preload_fn, args, staging: str) -> None:
+        self._requests.put((tag, write_fn, preload_fn, args, staging))
+
+    def poll(self, tag: int) -> tuple[str, object]:
+        """("running", None), ("done", checksums) or ("failed", why) for request `tag`."""
+        try:
+            got, error, checksums = self._results.get_nowait()
+        except queue.Empty:
+            if self.process.is_alive():
+                return "running", None
+            try:  # it may have reported just before exiting
+                got, error, checksums = self._results.get(timeout=0.5)
+            except queue.Empty:
+                return "failed", (f"the worker (pid {self.process.pid}) died, exit code "
+                                  f"{self.process.exitcode}")
+        assert got == tag, (got, tag)
+        return ("failed", error) if error else ("done", checksums)
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.is_alive():
+            self._killed_by_us = True
+            self.process.kill()
+            self.process.join(5)
+
+    def close(self) -> None:
+        if self.process is not None and self.process.is_alive():
+            self._requests.put(None)
+            self.process.join(30)
+        self.kill()
+
+
+@dataclass
+class _Pending:
+    tier: CheckpointTier
+    iteration: int
+    staging: str
+    finalize_fns: list
+    tag: int
+    started: float
+    on_published: object
+
+
+class AsyncSaves:
+    def __init__(self, timeout_secs: float) -> None:
+        self.timeout_secs = timeout_secs
+        self.worker = WriterProcess()
+        self.pending: _Pending | None = None
+        self._tag = 0
+        self._nothing_to_write = False
+
+    def submit(self, tier, sharded_state: dict, iteration: int, on_published) -> None:
+        """Collective: stage the save and hand the writing to the worker. One save at a time: a
+        pending one is finalised first."""
+        self.wait()
+        restarts = _gather_object(self.worker.start())
+        replaced = [f"rank {rank}: {why}" for rank, why in enumerate(restarts) if why]
+        if replaced:
+            events.decision("save", "async checkpoint worker restarted before the save of iteration "
+                            f"{iteration} (" + "; ".join(replaced) + ")", iteration=iteration,
+                            reasons=replaced)
+        staging, request = tier.save_async(sharded_state, iteration)
+        self._tag += 1
+        if request.async_fn is not None:
+            self.worker.submit(self._tag, request.async_fn, request.preload_fn,
+                               request.async_fn_args, staging)
+        self.pending = _Pending(tier, iteration, staging, list(request.finalize_fns), self._tag,
+                                time.monotonic(), on_published)
+        self._nothing_to_write = request.async_fn is None  # then nothing to wait for either
+
+    def _local_status(self) -> tuple[str, object]:
+        if self._nothing_to_write:
+            return "done", checksum_own_shards(self.pending.staging)
+        status, payload = self.worker.poll(self.pending.tag)
+        if status == "running" and time.monotonic() - self.pending.started > self.timeout_secs:
+            self.worker.kill()
+            return "failed", (f"the worker did not finish within --async-save-timeout-secs "
+                              f"{self.timeout_secs:g} and was killed")
+        return status, payload
+
+    def poll(self, blocking: bool = False) -> bool:
+        """Collective: finalise the pending save if every rank's worker is through with it.
+        Returns True if a save was published."""
+        if self.pending is None:
+            return False
+        status, payload = self._local_status()
+        while blocking and status == "running":
+            time.sleep(0.05)
+            status, payload = self._local_status()
+        if not parallel.all_ranks_agree(status != "running"):
+            return False
+        pending, self.pending = self.pending, None
+        failures = [f"rank {rank}: {why}" for rank, why in
+                    enumerate(_gather_object(payload if status == "failed" else None)) if why]
+        if failures:
+            pending.tier.abandon(pending.staging)
+            events.decision("save", f"async save of {pending.tier.name} iteration {pending.iteration} "
+                            "failed (" + "; ".join(failures) + "); nothing was published, the previous "
+                            "checkpoints are intact; training continues and the next save starts a fresh "
+                            "worker",
+                            tier=pending.tier.name, iteration=pending.iteration, reasons=failures)
+            return False
+        for finalize in pending.finalize_fns:  # megatron-core's: global .metadata, metadata.json
+            finalize()
+        path = pending.tier.finish(pending.staging, pending.iteration, gather_checksums(payload))
+        pending.on_published(pending.tier, pending.iteration, path,
+                             time.monotonic() - pending.started)
+        return True
+
+    def wait(self) -> bool:
+        return self.poll(blocking=True)
+
+    def close(self) -> None:
+        self.wait()
+        self.worker.close()
+
+
+def _gather_object(obj) -> list:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
