@@ -143,6 +143,7 @@ class AsyncSaves:
         self.pending: _Pending | None = None
         self._tag = 0
         self._nothing_to_write = False
+        self._verdict: tuple[str, object] | None = None
 
     def submit(self, tier, sharded_state: dict, iteration: int, on_published) -> None:
         """Collective: stage the save and hand the writing to the worker. One save at a time: a
@@ -162,15 +163,22 @@ class AsyncSaves:
         self.pending = _Pending(tier, iteration, staging, list(request.finalize_fns), self._tag,
                                 time.monotonic(), on_published)
         self._nothing_to_write = request.async_fn is None  # then nothing to wait for either
+        self._verdict = None
 
     def _local_status(self) -> tuple[str, object]:
+        # The verdict is kept: the worker reports once, but the ranks may agree only later.
+        if self._verdict is not None:
+            return self._verdict
         if self._nothing_to_write:
-            return "done", checksum_own_shards(self.pending.staging)
-        status, payload = self.worker.poll(self.pending.tag)
+            status, payload = "done", checksum_own_shards(self.pending.staging)
+        else:
+            status, payload = self.worker.poll(self.pending.tag)
         if status == "running" and time.monotonic() - self.pending.started > self.timeout_secs:
             self.worker.kill()
-            return "failed", (f"the worker did not finish within --async-save-timeout-secs "
-                              f"{self.timeout_secs:g} and was killed")
+            status, payload = "failed", (f"the worker did not finish within --async-save-timeout-secs "
+                                         f"{self.timeout_secs:g} and was killed")
+        if status != "running":
+            self._verdict = (status, payload)
         return status, payload
 
     def poll(self, blocking: bool = False) -> bool:

@@ -1,0 +1,119 @@
+"""--async-save under real torchrun runs: checkpoints written in the background are published
+atomically and resume exactly; a worker that is stopped (stuck) or killed mid-run is detected within
+bounded time, its save dropped, and training goes on with the next save."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_resil.checkpointing import layout
+from megatron_resil.checkpointing.tracker import write_tracker
+from tests import launch
+
+pytestmark = pytest.mark.slow
+
+WORKER_COMM = "resil-ckpt-wkr"
+
+
+def _args(root: Path, iters: int, extra=()) -> list[str]:
+    return [*launch.TINY_MODEL, *launch.TINY_TRAINING, "--train-iters", str(iters), "--save", str(root),
+            "--load", str(root), "--save-interval", "2", "--async-save", "--use-persistent-ckpt-worker",
+            *extra]
+
+
+def _verify(root: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "megatron_resil.tools.ckpt", "verify", str(root)],
+                          env=launch.env(), capture_output=True, text=True, timeout=120)
+
+
+def test_async_checkpoints_are_published_atomically_and_resume_exactly(tmp_path):
+    root = tmp_path / "ckpt"
+    full = launch.run(_args(root, 6))
+    assert full.returncode == 0, full.stdout[-3000:]
+    for iteration in (2, 4, 6):
+        assert f"successfully saved checkpoint from iteration {iteration:7d}" in full.stdout
+    assert layout.published_iterations(str(root)) == [6, 4, 2]
+    assert not any(layout.leftovers(str(root)).values())
+    check = _verify(root)
+    assert check.returncode == 0 and check.stdout.count(": ok (sizes and checksums") == 3, check.stdout
+    # Resume from the background-written iteration 4: the loss curve continues exactly.
+    shutil.rmtree(root / "iter_0000006")
+    write_tracker(str(root), 4)
+    resumed = launch.run(_args(root, 6))
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert "[resil] load: accepted persistent iteration 4" in resumed.stdout
+    reference, again = launch.losses(full.stdout), launch.losses(resumed.stdout)
+    assert again[5] == reference[5] and again[6] == reference[6]
+
+
+def _workers() -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/comm") as f:
+                if f.read().strip() == WORKER_COMM:
+                    found.append(int(entry))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def _strike_first_worker(proc: subprocess.Popen, sig: int, found: list) -> None:
+    """Signal the first async worker to appear (it starts when training does)."""
+    before = set(_workers())
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        new = [pid for pid in _workers() if pid not in before]
+        if new:
+            time.sleep(2.0)  # a few iterations in: a save is in flight or about to be
+            os.kill(new[0], sig)
+            found.append(new[0])
+            return
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("sig,expected", [
+    (signal.SIGSTOP, "did not finish within --async-save-timeout-secs 4 and was killed"),
+    (signal.SIGKILL, "died, exit code -9"),
+], ids=["stuck-worker", "killed-worker"])
+def test_a_stuck_or_dead_worker_is_reported_and_training_continues(tmp_path, sig, expected):
+    root = tmp_path / "ckpt"
+    log = tmp_path / "run.log"
+    # Slow iterations, so that saves keep coming after the strike.
+    proc = launch.start(_args(root, 24, ["--async-save-timeout-secs", "4", "--inject-fault", "slow",
+                                         "--inject-fault-iteration", "1", "--inject-fault-slow-secs", "0.4"]),
+                        log_path=log)
+    struck: list[int] = []
+    striker = threading.Thread(target=_strike_first_worker, args=(proc, sig, struck))
+    striker.start()
+    try:
+        assert proc.wait(timeout=240) == 0, log.read_text()[-3000:]
+    finally:
+        striker.join()
+        if proc.poll() is None:
+            proc.kill()
+        for pid in struck:  # never leave a stopped process behind
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    out = log.read_text()
+    assert struck, "no async worker appeared"
+    reported = [line for line in out.splitlines() if line.startswith("[resil] save: async")]
+    assert reported and any(expected in line or "had died, exit code -9" in line for line in reported), \
+        out[-3000:]
+    # Later saves went through a fresh worker; everything published is complete.
+    assert "successfully saved checkpoint from iteration      24" in out
+    published = layout.published_iterations(str(root))
+    assert published[0] == 24 and len(published) >= 3, published
+    assert _verify(root).returncode == 0
+    assert not any(layout.leftovers(str(root)).values())
