@@ -449,8 +449,8 @@ def save_worker(opts: argparse.Namespace) -> None:
         no_readback = variant in ("atomic_no_readback", "atomic_no_crc")
         saved = getattr(tdt, "checksum_own_shards", None)  # absent: nothing is read back to skip
 
-        def sizes_only(staging: str) -> dict:
-            prefix = f"__{parallel.rank()}_"
+        def sizes_only(staging: str, rank: int) -> dict:
+            prefix = f"__{rank}_"
             return {n: {"size": os.path.getsize(os.path.join(staging, n))} for n in os.listdir(staging)
                     if n.startswith(prefix) and n.endswith(".distcp")}
         try:

@@ -163,7 +163,8 @@ def _interleave(timed, a, b, repeats: int) -> list[float]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--workdir", default=None, help="where the checkpoints go (default: a temp dir)")
     parser.add_argument("--json", default=None, help="also write the results here")

@@ -53,13 +53,16 @@ def _worker_loop(trainer_pid: int, requests, results) -> None:
         if item is None:
             return
         tag, write_fn, preload_fn, args, staging = item
+        rank = args[0]  # megatron-core's write arguments start with the trainer's rank
         try:
             args = list(args)
             if preload_fn is not None:
                 args[1] = preload_fn()
             with dcp_writer.without_torch_record_crc():
                 write_fn(*args)
-            results.put((tag, None, checksum_own_shards(staging)))
+            for child in mp.active_children():  # megatron-core's forked writers: never checksum
+                child.join()                      # a file one of them may still be finishing
+            results.put((tag, None, checksum_own_shards(staging, rank)))
         except BaseException as err:  # noqa: BLE001 - reported to the trainer, which decides
             results.put((tag, f"{type(err).__name__}: {err}", None))
         del item, args
@@ -170,7 +173,7 @@ class AsyncSaves:
         if self._verdict is not None:
             return self._verdict
         if self._nothing_to_write:
-            status, payload = "done", checksum_own_shards(self.pending.staging)
+            status, payload = "done", checksum_own_shards(self.pending.staging, parallel.rank())
         else:
             status, payload = self.worker.poll(self.pending.tag)
         if status == "running" and time.monotonic() - self.pending.started > self.timeout_secs:

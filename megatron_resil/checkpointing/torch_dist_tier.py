@@ -118,7 +118,7 @@ class TorchDistTier(CheckpointTier):
         staging = self._begin(iteration)
         with dcp_writer.without_torch_record_crc():
             dist_checkpointing.save(sharded_state, staging, sharded_strategy=self._strategy())
-        return self.finish(staging, iteration, _gather(checksum_own_shards(staging)))
+        return self.finish(staging, iteration, _gather(checksum_own_shards(staging, parallel.rank())))
 
     def save_async(self, sharded_state: dict, iteration: int):
         """The collective part of an async save: plan and stage; returns (staging, request) where
@@ -218,9 +218,9 @@ def snapshot(sharded_state: dict) -> dict:
     return sharded_state
 
 
-def checksum_own_shards(staging: str) -> dict:
-    """The shard files this rank wrote (`__<rank>_<n>.distcp`), checksummed by their writer."""
-    prefix = f"__{parallel.rank()}_"
+def checksum_own_shards(staging: str, rank: int) -> dict:
+    """The shard files a rank wrote (`__<rank>_<n>.distcp`), checksummed by their writer."""
+    prefix = f"__{rank}_"
     own = sorted(name for name in os.listdir(staging) if name.startswith(prefix) and name.endswith(".distcp"))
     return checksum_files(staging, own)
 
