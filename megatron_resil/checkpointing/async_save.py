@@ -31,6 +31,7 @@ from megatron_resil.checkpointing.tier import CheckpointTier
 from megatron_resil.checkpointing.torch_dist_tier import checksum_own_shards, gather_checksums
 
 WORKER_NAME = b"resil-ckpt-wkr"  # the process name (comm) operators and tests see in ps
+_READY = -1  # the tag of the worker's first message: started and imported, ready to write
 
 
 def _worker_loop(trainer_pid: int, requests, results) -> None:
@@ -39,6 +40,8 @@ def _worker_loop(trainer_pid: int, requests, results) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     cpu_compat.apply_if_needed()  # megatron-core's writer synchronises CUDA
+    import megatron.core.dist_checkpointing  # noqa: F401 - imported before "ready", not inside a save
+    results.put((_READY, None, None))
     try:
         ctypes.CDLL(None).prctl(15, WORKER_NAME, 0, 0, 0)  # PR_SET_NAME
     except (OSError, AttributeError):
@@ -77,6 +80,8 @@ class WriterProcess:
         self._requests = self._results = None
         self._atexit_registered = False
         self._killed_by_us = False
+        self.started_at: float = 0.0
+        self.ready_at: float | None = None  # start-up (imports) does not count against a save
 
     def start(self) -> str | None:
         """Make sure a worker is running; returns why an earlier one had to be replaced, if so."""
@@ -91,6 +96,7 @@ class WriterProcess:
         self.process = self._ctx.Process(target=_worker_loop,
                                          args=(os.getpid(), self._requests, self._results))
         self.process.start()
+        self.started_at, self.ready_at = time.monotonic(), None
         self._killed_by_us = False
         if not self._atexit_registered:
             atexit.register(self.kill)
@@ -104,6 +110,9 @@ class WriterProcess:
         """("running", None), ("done", checksums) or ("failed", why) for request `tag`."""
         try:
             got, error, checksums = self._results.get_nowait()
+            if got == _READY:
+                self.ready_at = time.monotonic()
+                return "running", None
         except queue.Empty:
             if self.process.is_alive():
                 return "running", None
@@ -176,7 +185,9 @@ class AsyncSaves:
             status, payload = "done", checksum_own_shards(self.pending.staging, parallel.rank())
         else:
             status, payload = self.worker.poll(self.pending.tag)
-        if status == "running" and time.monotonic() - self.pending.started > self.timeout_secs:
+        ready = self.worker.ready_at
+        clock = max(self.pending.started, ready) if ready is not None else self.worker.started_at
+        if status == "running" and time.monotonic() - clock > self.timeout_secs:
             self.worker.kill()
             status, payload = "failed", (f"the worker did not finish within --async-save-timeout-secs "
                                          f"{self.timeout_secs:g} and was killed")
@@ -200,10 +211,11 @@ class AsyncSaves:
                     enumerate(_gather_object(payload if status == "failed" else None)) if why]
         if failures:
             pending.tier.abandon(pending.staging)
+            self.worker.start()  # a fresh one now, so its start-up overlaps training
             events.decision("save", f"async save of {pending.tier.name} iteration {pending.iteration} "
                             "failed (" + "; ".join(failures) + "); nothing was published, the previous "
-                            "checkpoints are intact; training continues and the next save starts a fresh "
-                            "worker",
+                            "checkpoints are intact; training continues, with a fresh "
+                            "worker where one failed",
                             tier=pending.tier.name, iteration=pending.iteration, reasons=failures)
             return False
         for finalize in pending.finalize_fns:  # megatron-core's: global .metadata, metadata.json
