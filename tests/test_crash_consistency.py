@@ -235,13 +235,17 @@ def save_root(tmp_path: Path):
             pass
 
 
-def _args(root: str, train_iters: int) -> list[str]:
+MODES = {"sync": [], "async": ["--async-save", "--use-persistent-ckpt-worker"]}
+
+
+def _args(root: str, train_iters: int, mode: str = "sync") -> list[str]:
     return [*launch.TINY_MODEL, *launch.TINY_TRAINING, "--train-iters", str(train_iters),
-            "--save", root, "--load", root, "--save-interval", "1", "--ckpt-keep-last", str(KEEP_LAST)]
+            "--save", root, "--load", root, "--save-interval", "1", "--ckpt-keep-last", str(KEEP_LAST),
+            *MODES[mode]]
 
 
 def _kill_during_a_save(root: str, log_path: Path, trigger: str, skip: int,
-                        delay: float) -> tuple[str, float]:
+                        delay: float, mode: str) -> tuple[str, float]:
     """Start a long run and SIGKILL all of it `delay` s after the (skip+1)-th save of this launch
     reaches `trigger`: "staging" (its staging directory appears; polled every 10 ms) or "manifest"
     (its manifest appears in the staging directory, i.e. the publish steps are next; polled every
@@ -249,7 +253,7 @@ def _kill_during_a_save(root: str, log_path: Path, trigger: str, skip: int,
     known = set(os.listdir(root))  # staging leftovers of the previous kill are not a save in flight
     poll = 0.01 if trigger == "staging" else 0.001
     t0 = time.monotonic()
-    proc = launch.start(_args(root, LONG_RUN_ITERS), log_path=log_path)
+    proc = launch.start(_args(root, LONG_RUN_ITERS, mode), log_path=log_path)
     first_save = 0.0
     try:
         seen: list[str] = []  # new staging directories, in order of appearance
@@ -280,14 +284,18 @@ def _kill_during_a_save(root: str, log_path: Path, trigger: str, skip: int,
 
 
 @pytest.mark.slow
-def test_sigkill_during_saves_never_leaves_a_lie(save_root: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", list(MODES))
+def test_sigkill_during_saves_never_leaves_a_lie(save_root: str, tmp_path: Path, mode: str) -> None:
+    """With --async-save the kills land while background workers write (their staging directories
+    appear when a save is planned) and while the trainer publishes."""
     seed = int(os.environ.get("CRASH_SEED", random.SystemRandom().randrange(2**32)))
     rng = random.Random(seed)
-    print(f"\n[crash] seed {seed} (rerun with CRASH_SEED={seed}), {KILL_CYCLES} kill cycles")
+    cycles = KILL_CYCLES if mode == "sync" else max(2, KILL_CYCLES // 2)
+    print(f"\n[crash] {mode}: seed {seed} (rerun with CRASH_SEED={seed}), {cycles} kill cycles")
     start = time.monotonic()
     expected: int | None = None  # iteration the next launch must resume from (None: fresh start)
     history = []
-    for cycle in range(KILL_CYCLES):
+    for cycle in range(cycles):
         # Most kills land anywhere in a save (mostly in DCP's writes, the longest step); every
         # third one aims at the short publish window: fsync, rename, tracker, retention.
         trigger = "manifest" if cycle % 3 == 1 else "staging"
@@ -296,7 +304,7 @@ def test_sigkill_during_saves_never_leaves_a_lie(save_root: str, tmp_path: Path)
         leftovers = layout.leftovers(save_root)
         log_path = tmp_path / f"cycle{cycle}.log"
         t0 = time.monotonic()
-        staging, first_save = _kill_during_a_save(save_root, log_path, trigger, skip, delay)
+        staging, first_save = _kill_during_a_save(save_root, log_path, trigger, skip, delay, mode)
         log = log_path.read_text(errors="replace")
         _check_resume(log, save_root, expected, leftovers)
         phase = _where_it_died(save_root)
@@ -328,7 +336,7 @@ def test_sigkill_during_saves_never_leaves_a_lie(save_root: str, tmp_path: Path)
     # A final launch runs to completion from where the kills left it.
     leftovers = layout.leftovers(save_root)
     final = (expected or 0) + 3
-    result = launch.run(_args(save_root, final), timeout=LAUNCH_DEADLINE_S)
+    result = launch.run(_args(save_root, final, mode), timeout=LAUNCH_DEADLINE_S)
     log = result.stdout
     assert result.returncode == 0, f"final run exited {result.returncode}:\n{log[-4000:]}"
     _check_resume(log, save_root, expected, leftovers)
