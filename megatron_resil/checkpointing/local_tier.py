@@ -32,7 +32,7 @@ from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager impor
 from megatron_resil import events, parallel
 from megatron_resil.checkpointing.atomic import atomic_write_text
 from megatron_resil.checkpointing.replication import build_clique_strategy, comm_device
-from megatron_resil.checkpointing.sealed_shard import SealedShard, crc32_of
+from megatron_resil.checkpointing.sealed_shard import SealedShard, crc32_of, read_payload
 from megatron_resil.checkpointing.tier import CheckpointTier, TierCandidate
 from megatron_resil.checkpointing.torch_dist_tier import CheckpointSaveError
 
@@ -135,20 +135,34 @@ class LocalTier(CheckpointTier):
         return read_copy(path, iteration, owner, checksums=self.verify_checksums)
 
     def verify(self, candidate: TierCandidate) -> str | None:
-        """Collective (all ranks verify the same candidate in the same order): check every copy
-        this rank holds, agree who can serve which shard, fetch this rank's shard from its own
-        copy or a verified replica, and check it again on arrival."""
+        """Collective (all ranks verify the same candidate in the same order). Each rank reads and
+        checks its own copy; replicas get a manifest and size check, and are read and checksummed
+        only for owners whose own copy failed. The ranks agree who can serve which shard, each
+        fetches its shard (own copy or a verified replica) and checks it again on arrival."""
         iteration, me = candidate.iteration, parallel.rank()
-        good: dict[int, SealedShard] = {}
+        files = self._my_files(iteration)
+        good: dict[int, SealedShard | None] = {}  # None: passed the cheap check, not read yet
         bad: dict[int, str] = {}
-        for owner, path in sorted(self._my_files(iteration).items()):
-            shard, why = self._read_copy(path, iteration, owner)
-            if shard is not None:
+        for owner, path in sorted(files.items()):
+            shard, why = (self._read_copy(path, iteration, owner) if owner == me
+                          else (None, check_copy_cheaply(path, iteration, owner)))
+            if why is None:
                 good[owner] = shard
             else:
                 bad[owner] = why
-                self._set_aside([path], f"copy of rank {owner}'s shard: {why}")
         reports = _all_gather((sorted(good), bad))
+        needed = {r for r in range(len(reports)) if r not in reports[r][0]}  # own copy failed
+        for owner in sorted(needed & set(good)):
+            shard, why = self._read_copy(files[owner], iteration, owner)
+            if why is None:
+                good[owner] = shard
+            else:
+                del good[owner]
+                bad[owner] = why
+        if needed:
+            reports = _all_gather((sorted(good), bad))
+        for owner, why in bad.items():
+            self._set_aside([files[owner]], f"copy of rank {owner}'s shard: {why}")
         self._log_bad_copies(iteration, reports)
         holders: dict[int, list[int]] = {}
         for rank, (owners, _) in enumerate(reports):
@@ -183,6 +197,7 @@ class LocalTier(CheckpointTier):
         wanted = (iteration, me, SESSION)
         plan = strategy.retrieve_plan(ids, [wanted])
         mine = {ckpt_id: good[ckpt_id[1]] for ckpt_id in plan.required_ids()}
+        assert all(shard is not None for shard in mine.values()), "a sender's copy was not read"
         received = strategy.retrieve_execute(plan, mine)
         sender = next(e.sender for e in plan.entries if e.receiver == me)
         return received[wanted], sender
@@ -279,30 +294,52 @@ def describe(root: str, iteration: int) -> str:
     return os.path.join(root, "<rank>", f"iter_{iteration:07d}_<rank>_local.pt")
 
 
-def read_copy(path: Path, iteration: int, owner: int, *,
-              checksums: bool = True) -> tuple[SealedShard | None, str | None]:
-    """A copy of `owner`'s shard as found on disk, checked against the owner's manifest:
-    (shard, None) or (None, why)."""
-    try:
-        payload = path.read_bytes()
-    except OSError as err:
-        return None, f"unreadable ({err.strerror})"
+def read_manifest(path: Path, iteration: int, owner: int) -> tuple[dict | None, str | None]:
+    """The owner's account of a copy: (meta, None), (None, why), or (None, None) for a legacy
+    shard without a manifest (saved by Megatron-LM)."""
     try:
         meta = json.loads(Path(str(path) + MANIFEST_SUFFIX).read_text())
         meta = {k: int(meta[k]) for k in ("iteration", "owner", "size", "crc32")}
     except FileNotFoundError:
-        if _looks_like_ours(path):
-            return None, "manifest missing"
-        events.warn(f"{path} has no manifest (saved by Megatron-LM or an older megatron-resil); "
-                    "it is loaded unverified")
-        meta = {"iteration": iteration, "owner": owner, "size": len(payload), "crc32": crc32_of(payload)}
+        return None, ("manifest missing" if _looks_like_ours(path) else None)
     except (OSError, ValueError, KeyError, TypeError) as err:
         return None, f"manifest unparsable ({type(err).__name__})"
     if (meta["iteration"], meta["owner"]) != (iteration, owner):
         return None, (f"manifest is for rank {meta['owner']} iteration {meta['iteration']}, "
                       f"not rank {owner} iteration {iteration}")
-    shard = SealedShard(_as_tensor(payload), meta, comm_device())
-    if not checksums and len(payload) == meta["size"]:
+    return meta, None
+
+
+def check_copy_cheaply(path: Path, iteration: int, owner: int) -> str | None:
+    """Manifest and size only, reading no data: for copies that may never be used."""
+    meta, why = read_manifest(path, iteration, owner)
+    if meta is None:
+        return why
+    try:
+        size = path.stat().st_size
+    except OSError as err:
+        return f"unreadable ({err.strerror})"
+    return None if size == meta["size"] else f"{size} bytes, its owner sealed {meta['size']}"
+
+
+def read_copy(path: Path, iteration: int, owner: int, *,
+              checksums: bool = True) -> tuple[SealedShard | None, str | None]:
+    """A copy of `owner`'s shard as found on disk, checked against the owner's manifest:
+    (shard, None) or (None, why)."""
+    meta, why = read_manifest(path, iteration, owner)
+    if why is not None:
+        return None, why
+    try:
+        payload = read_payload(path)
+    except OSError as err:
+        return None, f"unreadable ({err.strerror})"
+    if meta is None:
+        events.warn(f"{path} has no manifest (saved by Megatron-LM or an older megatron-resil); "
+                    "it is loaded unverified")
+        meta = {"iteration": iteration, "owner": owner, "size": payload.numel(),
+                "crc32": crc32_of(payload.numpy())}
+    shard = SealedShard(payload, meta, comm_device())
+    if not checksums and payload.numel() == meta["size"]:
         return shard, None
     return (None, why) if (why := shard.problem()) else (shard, None)
 
@@ -324,10 +361,6 @@ def inspect_copies(root: str, checksums: bool = True) -> dict[int, dict[int, dic
 def _looks_like_ours(path: Path) -> bool:
     """A shard written by this tier always has a manifest: a sibling manifest means ours."""
     return any(p.name.endswith(MANIFEST_SUFFIX) for p in path.parent.iterdir())
-
-
-def _as_tensor(payload: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
 
 
 def _dp_group():

@@ -14,6 +14,7 @@ node-local scratch space, and nothing found there runs code.
 from __future__ import annotations
 
 import io
+import os
 import zlib
 
 import torch
@@ -26,6 +27,44 @@ _SAFE_CLASSES = [MCoreTensorAwareStateDict, ShardedTensor, ShardedObject]
 
 def crc32_of(data) -> int:
     return zlib.crc32(memoryview(data).cast("B"))
+
+
+class _BufferReader(io.RawIOBase):
+    """A seekable file over bytes in memory, without copying them first (io.BytesIO would)."""
+
+    def __init__(self, buffer) -> None:
+        self._view = memoryview(buffer).cast("B")
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, target) -> int:
+        n = max(0, min(len(target), len(self._view) - self._pos))
+        target[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+
+def read_payload(path) -> torch.Tensor:
+    """A file's bytes as a uint8 tensor, read once into memory of its own."""
+    with open(path, "rb", buffering=0) as f:
+        buffer = bytearray(os.fstat(f.fileno()).st_size)
+        view, done = memoryview(buffer), 0
+        while done < len(buffer) and (n := f.readinto(view[done:])):
+            done += n
+    return torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0, dtype=torch.uint8)
 
 
 class SealedShard(TensorAwareStateDict):
@@ -64,7 +103,7 @@ class SealedShard(TensorAwareStateDict):
 
     def unseal(self) -> MCoreTensorAwareStateDict:
         with torch.serialization.safe_globals(_SAFE_CLASSES):
-            state = torch.load(io.BytesIO(self.payload.numpy().tobytes()), weights_only=True)
+            state = torch.load(_BufferReader(self.payload.numpy()), weights_only=True)
         state.restore_tensor_device(non_blocking=False)
         return state
 
