@@ -189,11 +189,11 @@ class SaveStepTimer:
                 setattr(tdt, name, self.wrap(name, getattr(tdt, name), numbered=numbered))
         # Inside those steps: the helpers they look up in their own modules' globals.
         for module, names in ((atomic, ("fsync_file", "fsync_dir")),
-                              (manifest, ("file_crc32", "fsync_file", "all_files", "checksum_files"))):
+                              (manifest, ("file_checksum", "fsync_file", "all_files", "checksum_files"))):
             for name in names:
                 if callable(getattr(module, name, None)):
                     setattr(module, name, self.wrap(name, getattr(module, name),
-                                                    kind_of_path=name in ("fsync_file", "file_crc32")))
+                                                    kind_of_path=name in ("fsync_file", "file_checksum")))
         self._install_dcp_phases()
 
     def _install_dcp_phases(self) -> None:

@@ -1,12 +1,14 @@
-"""A checkpoint's own account of what it contains: every file with its size and CRC32, written last
-into the staging directory.
+"""A checkpoint's own account of what it contains: every file with its size and checksum, written
+last into the staging directory.
 
 Checksums are computed at save time by the rank that wrote each file (`checksum_files`), gathered,
 and recorded by rank 0. Verification compares the directory with the manifest: a missing or
 truncated file, flipped bits, the wrong iteration, a missing or unparsable manifest. A checkpoint
 without one (saved by Megatron-LM, or before this existed) is checked for DCP's `.metadata` only,
-and the loader warns. CRC32 (zlib, ~3.5 GB/s per core here) catches corruption at rest and in
-transfer; it is not a defence against tampering.
+and the loader warns. The checksum is CRC32C (google-crc32c's hardware-accelerated C code, about
+9 GiB/s per core here; manifest version 3); where that is unavailable, zlib's CRC32 (about 3.3 GiB/s;
+version 2 manifests hold it). Either catches corruption at rest and in transfer; neither defends
+against tampering. Verification reads whichever the manifest recorded.
 """
 
 from __future__ import annotations
@@ -17,25 +19,37 @@ import zlib
 
 from megatron_resil.checkpointing.atomic import fsync_file
 
+try:
+    import google_crc32c
+
+    _HAVE_FAST_CRC32C = google_crc32c.implementation == "c"
+except ImportError:  # optional at run time: zlib's CRC32 is always there
+    google_crc32c = None
+    _HAVE_FAST_CRC32C = False
+
 MANIFEST_NAME = "resil_manifest.json"
-MANIFEST_VERSION = 2
+CHECKSUM = "crc32c" if _HAVE_FAST_CRC32C else "crc32"
+MANIFEST_VERSION = 3 if CHECKSUM == "crc32c" else 2
 _CHUNK = 8 << 20
+_EXTEND = {"crc32": lambda crc, chunk: zlib.crc32(chunk, crc),
+           "crc32c": lambda crc, chunk: google_crc32c.extend(crc, chunk)}
 
 
-def file_crc32(path: str) -> int:
+def file_checksum(path: str, algorithm: str = CHECKSUM) -> int:
+    extend = _EXTEND[algorithm]
     crc = 0
     with open(path, "rb", buffering=0) as f:
         while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
+            crc = extend(crc, chunk)
     return crc
 
 
 def checksum_files(directory: str, relpaths: list[str]) -> dict[str, dict]:
-    """{relpath: {"size", "crc32"}} for the given files (a rank passes the files it wrote)."""
+    """{relpath: {"size", CHECKSUM}} for the given files (a rank passes the files it wrote)."""
     out = {}
     for rel in relpaths:
         full = os.path.join(directory, rel)
-        out[rel] = {"size": os.path.getsize(full), "crc32": file_crc32(full)}
+        out[rel] = {"size": os.path.getsize(full), CHECKSUM: file_checksum(full)}
     return out
 
 
@@ -59,7 +73,7 @@ def write_manifest(directory: str, iteration: int, fmt: str,
     path = os.path.join(directory, MANIFEST_NAME)
     with open(path, "w") as f:
         json.dump({"version": MANIFEST_VERSION, "format": fmt, "iteration": iteration,
-                   "checksum": "crc32", "files": files}, f, indent=1, sort_keys=True)
+                   "checksum": CHECKSUM, "files": files}, f, indent=1, sort_keys=True)
     fsync_file(path)
 
 
@@ -82,10 +96,13 @@ def read_manifest(directory: str) -> tuple[dict | None, str | None]:
     return manifest, None
 
 
-def _size_and_crc(entry) -> tuple[int, int | None]:
-    if isinstance(entry, dict):  # version 2
-        return int(entry["size"]), entry.get("crc32")
-    return int(entry), None  # version 1: size only
+def _size_and_crc(entry) -> tuple[int, str | None, int | None]:
+    if isinstance(entry, dict):  # version 3 (crc32c) or 2 (crc32)
+        for algorithm in ("crc32c", "crc32"):
+            if algorithm in entry:
+                return int(entry["size"]), algorithm, int(entry[algorithm])
+        return int(entry["size"]), None, None
+    return int(entry), None, None  # version 1: size only
 
 
 def verify_manifest(directory: str, iteration: int | None, *, share: tuple[int, int] = (0, 1),
@@ -105,7 +122,7 @@ def verify_manifest(directory: str, iteration: int | None, *, share: tuple[int, 
     for position, (rel, entry) in enumerate(sorted(manifest["files"].items())):
         full = os.path.join(directory, rel)
         try:
-            size, crc = _size_and_crc(entry)
+            size, algorithm, crc = _size_and_crc(entry)
         except (KeyError, TypeError, ValueError):
             return f"manifest entry for {rel} unparsable"
         if not os.path.isfile(full):
@@ -114,7 +131,8 @@ def verify_manifest(directory: str, iteration: int | None, *, share: tuple[int, 
         if actual != size:
             return f"file {rel} has {actual} bytes, manifest says {size}"
         if checksums and crc is not None and position % count == index:
-            actual_crc = file_crc32(full)
+            actual_crc = file_checksum(full, algorithm)
             if actual_crc != crc:
-                return f"file {rel} fails its checksum (crc32 {actual_crc:08x}, manifest says {crc:08x})"
+                return (f"file {rel} fails its checksum ({algorithm} {actual_crc:08x}, "
+                        f"manifest says {crc:08x})")
     return None

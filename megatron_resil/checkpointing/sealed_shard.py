@@ -85,7 +85,8 @@ class SealedShard(TensorAwareStateDict):
              comm_device: str = "cpu") -> SealedShard:
         buffer = io.BytesIO()
         torch.save(state, buffer)
-        payload = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
+        # A view of the serialized bytes, not a copy (the buffer stays alive with the view).
+        payload = torch.frombuffer(buffer.getbuffer(), dtype=torch.uint8)
         meta = {"iteration": iteration, "owner": owner, "size": payload.numel(),
                 "crc32": crc32_of(payload.numpy())}
         return cls(payload, meta, comm_device)
