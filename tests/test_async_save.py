@@ -89,7 +89,7 @@ def test_a_stuck_or_dead_worker_is_reported_and_training_continues(tmp_path, sig
     root = tmp_path / "ckpt"
     log = tmp_path / "run.log"
     # Slow iterations, so that saves keep coming after the strike.
-    proc = launch.start(_args(root, 16, ["--async-save-timeout-secs", "8", "--inject-fault", "slow",
+    proc = launch.start(_args(root, 12, ["--async-save-timeout-secs", "8", "--inject-fault", "slow",
                                          "--inject-fault-iteration", "1", "--inject-fault-slow-secs", "0.3"]),
                         log_path=log)
     struck: list[int] = []
@@ -112,8 +112,8 @@ def test_a_stuck_or_dead_worker_is_reported_and_training_continues(tmp_path, sig
     assert reported and any(expected in line or "had died, exit code -9" in line for line in reported), \
         out[-3000:]
     # Later saves went through a fresh worker; everything published is complete.
-    assert "successfully saved checkpoint from iteration      16" in out
+    assert "successfully saved checkpoint from iteration      12" in out
     published = layout.published_iterations(str(root))
-    assert published[0] == 16 and len(published) >= 3, published
+    assert published[0] == 12 and len(published) >= 2, published
     assert _verify(root).returncode == 0
     assert not any(layout.leftovers(str(root)).values())

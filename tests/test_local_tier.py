@@ -109,35 +109,32 @@ def test_bad_copies_are_set_aside_and_each_rank_uses_a_verified_one(two_ranks_cr
 
 
 def test_no_verified_copy_anywhere_moves_every_rank_to_the_persistent_checkpoint(two_ranks_crashed, tmp_path):
+    """Both copies of both shards are bad, four different ways: a flipped byte, a truncation, an
+    unparsable manifest and a manifest for another iteration."""
     root = _copy(two_ranks_crashed, tmp_path)
     _flip(_shard(root, holder=1, owner=1))
     _truncate(_shard(root, holder=0, owner=1))
+    Path(str(_shard(root, holder=0, owner=0)) + ".manifest.json").write_text("{not json")
+    wrong = Path(str(_shard(root, holder=1, owner=0)) + ".manifest.json")
+    wrong.write_text(json.dumps({**json.loads(wrong.read_text()), "iteration": 3}))
     which = subprocess.run([sys.executable, "-m", "megatron_resil.tools.ckpt", "which", str(root / "save"),
                             "--non-persistent-local-ckpt-dir", str(root / "local")],
                            env=launch.env(), capture_output=True, text=True, timeout=120)
     assert "would reject local iteration 6" in which.stdout, which.stdout + which.stderr
-    assert "rank 1's shard has no verified copy" in which.stdout
+    assert "rank 0's shard has no verified copy" in which.stdout
     assert "would load persistent iteration 5" in which.stdout and which.returncode == 0
     out = _resume(root)
     assert "[resil] load: rejected local iteration 6" in out
-    assert "rank 1: no verified copy of its shard" in out
+    assert "rank 0: no verified copy of its shard (own copy: manifest unparsable" in out
+    assert "manifest is for rank 0 iteration 3" in out
+    assert "rank 1's copy of rank 1's shard rejected (fails its owner's checksum" in out
+    assert "rank 0's copy of rank 1's shard rejected (" in out
     assert "[resil] load: accepted persistent iteration 5" in out
-    # Every rank set the whole iteration aside, good copies included: it is never tried again.
+    # Every rank set the whole iteration aside: it is never tried again.
     for holder in (0, 1):
         kept = root / "local" / str(holder) / "quarantined"
         assert sorted(p.name for p in kept.glob("iter_0000006_*_local.pt")) == \
             ["iter_0000006_0_local.pt", "iter_0000006_1_local.pt"], holder
-
-
-def test_unparsable_and_mismatched_manifests_are_rejected(two_ranks_crashed, tmp_path):
-    root = _copy(two_ranks_crashed, tmp_path)
-    Path(str(_shard(root, holder=0, owner=0)) + ".manifest.json").write_text("{not json")
-    wrong = Path(str(_shard(root, holder=1, owner=0)) + ".manifest.json")
-    wrong.write_text(json.dumps({**json.loads(wrong.read_text()), "iteration": 3}))
-    out = _resume(root)
-    assert "manifest unparsable" in out and "manifest is for rank 0 iteration 3" in out
-    assert "[resil] load: rejected local iteration 6" in out
-    assert "[resil] load: accepted persistent iteration 5" in out
 
 
 def _poison(path: Path) -> None:
