@@ -124,8 +124,8 @@ class SaveStepTimer:
     """
 
     TIER_STEPS = ("_make_staging", "get_default_save_sharded_strategy",
-                  "checksum_own_shards", "_gather", "_barrier", "fsync_tree", "fsync_dir", "write_manifest",
-                  "publish_directory", "write_tracker", "checksum_files")
+                  "checksum_own_shards", "gather_checksums", "_barrier", "fsync_tree", "fsync_dir",
+                  "write_manifest", "publish_directory", "write_tracker", "checksum_files")
     COLLECTIVES = ("barrier", "all_gather_object", "broadcast_object_list", "all_reduce", "broadcast_object",
                    "all_ranks_agree", "any_rank")
 
@@ -185,7 +185,7 @@ class SaveStepTimer:
         tdt.dist = proxy(dist, self.COLLECTIVES, numbered=True)
         for name in self.TIER_STEPS:
             if callable(getattr(tdt, name, None)):
-                numbered = name in ("_barrier", "_gather")
+                numbered = name in ("_barrier", "gather_checksums")
                 setattr(tdt, name, self.wrap(name, getattr(tdt, name), numbered=numbered))
         # Inside those steps: the helpers they look up in their own modules' globals.
         for module, names in ((atomic, ("fsync_file", "fsync_dir")),

@@ -90,6 +90,15 @@ def any_rank(flag: bool) -> bool:
     return not all_ranks_agree(not flag)
 
 
+def all_gather_object(obj) -> list:
+    """Every rank's `obj`, indexed by rank (one collective)."""
+    if not dist.is_initialized():
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def broadcast_object(obj, src: int = 0):
     if not dist.is_initialized():
         return obj

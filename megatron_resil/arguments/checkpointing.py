@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "norm within this many iterations rejects it and reloads the persistent "
                         "checkpoint (0: off)")
     g.add_argument("--async-save", action="store_true",
-                   help="persistent and global non-persistent saves are written by a background worker "
+                   help="persistent interval saves are written by a background worker "
                         "while training continues; published atomically once every rank has written")
     g.add_argument("--use-persistent-ckpt-worker", action="store_true",
                    help="accepted for Megatron compatibility: the --async-save worker is always persistent")

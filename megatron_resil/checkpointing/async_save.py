@@ -161,7 +161,7 @@ class AsyncSaves:
         """Collective: stage the save and hand the writing to the worker. One save at a time: a
         pending one is finalised first."""
         self.wait()
-        restarts = _gather_object(self.worker.start())
+        restarts = parallel.all_gather_object(self.worker.start())
         replaced = [f"rank {rank}: {why}" for rank, why in enumerate(restarts) if why]
         if replaced:
             events.decision("save", "async checkpoint worker restarted before the save of iteration "
@@ -208,7 +208,7 @@ class AsyncSaves:
             return False
         pending, self.pending = self.pending, None
         failures = [f"rank {rank}: {why}" for rank, why in
-                    enumerate(_gather_object(payload if status == "failed" else None)) if why]
+                    enumerate(parallel.all_gather_object(payload if status == "failed" else None)) if why]
         if failures:
             pending.tier.abandon(pending.staging)
             self.worker.start()  # a fresh one now, so its start-up overlaps training
@@ -231,13 +231,3 @@ class AsyncSaves:
     def close(self) -> None:
         self.wait()
         self.worker.close()
-
-
-def _gather_object(obj) -> list:
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        return [obj]
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out

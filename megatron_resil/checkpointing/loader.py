@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_resil import events, parallel
@@ -25,14 +24,6 @@ class CheckpointLoadError(RuntimeError):
 class LoadResult:
     candidate: TierCandidate
     state: dict
-
-
-def _gather_reasons(reason: str | None) -> list[str | None]:
-    if not dist.is_initialized():
-        return [reason]
-    reasons: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(reasons, reason)
-    return reasons
 
 
 def _summarise(reasons: list[str | None]) -> str:
@@ -67,7 +58,7 @@ def load_first_verified(tiers: list[CheckpointTier],
         where = f"{candidate.tier} iteration {candidate.iteration} ({candidate.path})"
         reason = tier.verify(candidate)
         if not parallel.all_ranks_agree(reason is None):
-            why = _summarise(_gather_reasons(reason))
+            why = _summarise(parallel.all_gather_object(reason))
             events.decision("load", f"rejected {where}: {why}", verdict="rejected", tier=candidate.tier,
                             iteration=candidate.iteration, path=candidate.path, reason=why)
             tier.quarantine(candidate, why)
@@ -81,7 +72,7 @@ def load_first_verified(tiers: list[CheckpointTier],
             state, failure = None, _one_line(err)
         if not parallel.all_ranks_agree(failure is None):
             raise CheckpointLoadError(f"{where} passed verification but does not load into this model "
-                                      f"({_summarise(_gather_reasons(failure))}); check that the "
+                                      f"({_summarise(parallel.all_gather_object(failure))}); check that the "
                                       "model and parallel flags match the run that saved it")
         events.decision("load", f"accepted {where}: verified, {candidate.note}", verdict="accepted",
                         tier=candidate.tier, iteration=candidate.iteration, path=candidate.path)

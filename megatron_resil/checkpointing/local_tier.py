@@ -125,7 +125,7 @@ class LocalTier(CheckpointTier):
 
     def candidates(self) -> list[TierCandidate]:
         mine = sorted({_iteration_of(p.name) for p in self._my_files().values()})
-        everywhere = sorted({it for part in _all_gather(mine) for it in part}, reverse=True)
+        everywhere = sorted({it for part in parallel.all_gather_object(mine) for it in part}, reverse=True)
         return [TierCandidate(self.name, it, self._describe(it), "node-local shards") for it in everywhere]
 
     def _describe(self, iteration: int) -> str:
@@ -150,7 +150,7 @@ class LocalTier(CheckpointTier):
                 good[owner] = shard
             else:
                 bad[owner] = why
-        reports = _all_gather((sorted(good), bad))
+        reports = parallel.all_gather_object((sorted(good), bad))
         needed = {r for r in range(len(reports)) if r not in reports[r][0]}  # own copy failed
         for owner in sorted(needed & set(good)):
             shard, why = self._read_copy(files[owner], iteration, owner)
@@ -160,7 +160,7 @@ class LocalTier(CheckpointTier):
                 del good[owner]
                 bad[owner] = why
         if needed:
-            reports = _all_gather((sorted(good), bad))
+            reports = parallel.all_gather_object((sorted(good), bad))
         for owner, why in bad.items():
             self._set_aside([files[owner]], f"copy of rank {owner}'s shard: {why}")
         self._log_bad_copies(iteration, reports)
@@ -210,7 +210,7 @@ class LocalTier(CheckpointTier):
                                 tier=self.name, iteration=iteration, rank=rank, owner=owner, reason=why)
 
     def _log_replica_use(self, iteration: int, sender: int) -> None:
-        senders = _all_gather(sender)
+        senders = parallel.all_gather_object(sender)
         moved = [f"rank {r} from rank {s}" for r, s in enumerate(senders) if s != r]
         if moved:
             events.decision("replica", f"local iteration {iteration}: shards fetched from replicas: "
@@ -265,7 +265,8 @@ class LocalTier(CheckpointTier):
             error = None
         except CheckpointingException as err:
             error = str(err)
-        failures = [f"rank {r}: {f}" for r, f in enumerate(_all_gather(self.manager.write_failure)) if f]
+        reported = parallel.all_gather_object(self.manager.write_failure)
+        failures = [f"rank {r}: {f}" for r, f in enumerate(reported) if f]
         if error is not None:
             raise CheckpointSaveError(f"local checkpoint of iteration {iteration} is incomplete ("
                                       + ("; ".join(failures) or error) + ")")
@@ -282,7 +283,7 @@ class LocalTier(CheckpointTier):
             if ".dirty" in name or ".tmp." in name or orphaned_manifest:
                 (self.my_dir / name).unlink()
                 removed += 1
-        counts = _all_gather(removed)
+        counts = parallel.all_gather_object(removed)
         if sum(counts):
             events.decision("cleanup", f"local tier: removed {sum(counts)} leftover(s) of interrupted "
                             "saves (.dirty shards, orphaned manifests); never loaded",
@@ -365,11 +366,3 @@ def _looks_like_ours(path: Path) -> bool:
 
 def _dp_group():
     return parallel_state.get_data_parallel_group(with_context_parallel=True)
-
-
-def _all_gather(obj) -> list:
-    if not dist.is_initialized():
-        return [obj]
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out

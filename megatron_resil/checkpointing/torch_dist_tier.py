@@ -118,7 +118,8 @@ class TorchDistTier(CheckpointTier):
         staging = self._begin(iteration)
         with dcp_writer.without_torch_record_crc():
             dist_checkpointing.save(sharded_state, staging, sharded_strategy=self._strategy())
-        return self.finish(staging, iteration, _gather(checksum_own_shards(staging, parallel.rank())))
+        checksums = gather_checksums(checksum_own_shards(staging, parallel.rank()))
+        return self.finish(staging, iteration, checksums)
 
     def save_async(self, sharded_state: dict, iteration: int):
         """The collective part of an async save: plan and stage; returns (staging, request) where
@@ -226,17 +227,10 @@ def checksum_own_shards(staging: str, rank: int) -> dict:
 
 
 def gather_checksums(local: dict) -> dict:
-    return _gather(local)
-
-
-def _gather(local: dict) -> dict:
-    """Union of every rank's dict (collective; also the barrier that says every shard is written)."""
-    if not dist.is_initialized():
-        return local
-    parts: list[dict] = [{} for _ in range(dist.get_world_size())]
-    dist.all_gather_object(parts, local)
+    """Union of every rank's checksums (collective; also the barrier that says every shard is
+    written)."""
     merged: dict = {}
-    for part in parts:
+    for part in parallel.all_gather_object(local):
         merged.update(part)
     return merged
 
