@@ -117,3 +117,33 @@ def test_a_stuck_or_dead_worker_is_reported_and_training_continues(tmp_path, sig
     assert published[0] == 12 and len(published) >= 2, published
     assert _verify(root).returncode == 0
     assert not any(layout.leftovers(str(root)).values())
+
+
+@pytest.mark.parametrize("kind", ["local", "global"])
+def test_async_non_persistent_saves_resume_exactly(tmp_path, kind):
+    """Non-persistent saves every iteration, written in the background; the newest one (iteration
+    5) is resumed from, through a replica for a lost rank directory in the local tier."""
+    root, np_dir = tmp_path / "ckpt", tmp_path / kind
+    tier = (["--non-persistent-ckpt-type", "local", "--non-persistent-local-ckpt-dir", str(np_dir),
+             "--replication", "--replication-jump", "1", "--replication-factor", "2"] if kind == "local" else
+            ["--non-persistent-ckpt-type", "global", "--non-persistent-global-ckpt-dir", str(np_dir)])
+    extra = [*tier, "--non-persistent-save-interval", "1"]
+    args = _args(root, 6, extra)
+    args[args.index("--save-interval") + 1] = "6"  # persistent at 6: non-persistent at 1 to 5
+    full = launch.run(args)
+    assert full.returncode == 0, full.stdout[-3000:]
+    assert f"successfully saved {kind if kind == 'local' else 'non-persistent'} checkpoint from " \
+           "iteration       5" in full.stdout, full.stdout[-3000:]
+    assert "[resil] save: async" not in full.stdout  # no failure reported
+    check = subprocess.run([sys.executable, "-m", "megatron_resil.tools.ckpt", "which", str(root),
+                            f"--non-persistent-{kind}-ckpt-dir", str(np_dir)],
+                           env=launch.env(), capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0, check.stdout + check.stderr
+    shutil.rmtree(root)  # only the non-persistent tier is left to resume from
+    if kind == "local":
+        shutil.rmtree(np_dir / "1")  # and rank 1's shard only as rank 0's replica of it
+    resumed = launch.run(args)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert f"[resil] load: accepted {kind if kind == 'local' else 'non-persistent'} iteration 5" \
+        in resumed.stdout, resumed.stdout[-3000:]
+    assert launch.losses(resumed.stdout)[6] == launch.losses(full.stdout)[6]

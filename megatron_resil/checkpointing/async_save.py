@@ -26,21 +26,22 @@ from dataclasses import dataclass
 import torch.multiprocessing as mp
 
 from megatron_resil import cpu_compat, events, parallel
-from megatron_resil.checkpointing import dcp_writer
-from megatron_resil.checkpointing.tier import CheckpointTier
-from megatron_resil.checkpointing.torch_dist_tier import checksum_own_shards, gather_checksums
+from megatron_resil.checkpointing.tier import AsyncSaveJob, CheckpointTier
+from megatron_resil.checkpointing.torch_dist_tier import CheckpointSaveError
 
 WORKER_NAME = b"resil-ckpt-wkr"  # the process name (comm) operators and tests see in ps
 _READY = -1  # the tag of the worker's first message: started and imported, ready to write
 
 
 def _worker_loop(trainer_pid: int, requests, results) -> None:
-    """Write what the trainer sends, checksum what was written, report. Deaf to the job-wide
+    """Run the write jobs the trainer sends (each tier's `AsyncSaveJob.work`), report. Deaf to the job-wide
     SIGTERM/SIGINT (so a preemption does not break the save it asks for), gone with its trainer."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     cpu_compat.apply_if_needed()  # megatron-core's writer synchronises CUDA
-    import megatron.core.dist_checkpointing  # noqa: F401 - imported before "ready", not inside a save
+    # The tiers' modules (megatron-core, NVRx) are imported before "ready", not inside a save.
+    import megatron_resil.checkpointing.local_tier  # noqa: F401
+    import megatron_resil.checkpointing.torch_dist_tier  # noqa: F401
     results.put((_READY, None, None))
     try:
         ctypes.CDLL(None).prctl(15, WORKER_NAME, 0, 0, 0)  # PR_SET_NAME
@@ -55,20 +56,12 @@ def _worker_loop(trainer_pid: int, requests, results) -> None:
             continue
         if item is None:
             return
-        tag, write_fn, preload_fn, args, staging = item
-        rank = args[0]  # megatron-core's write arguments start with the trainer's rank
+        tag, work, work_args = item
         try:
-            args = list(args)
-            if preload_fn is not None:
-                args[1] = preload_fn()
-            with dcp_writer.without_torch_record_crc():
-                write_fn(*args)
-            for child in mp.active_children():  # megatron-core's forked writers: never checksum
-                child.join()                      # a file one of them may still be finishing
-            results.put((tag, None, checksum_own_shards(staging, rank)))
+            results.put((tag, None, work(*work_args)))
         except BaseException as err:  # noqa: BLE001 - reported to the trainer, which decides
             results.put((tag, f"{type(err).__name__}: {err}", None))
-        del item, args
+        del item, work_args
 
 
 class WriterProcess:
@@ -103,13 +96,13 @@ class WriterProcess:
             self._atexit_registered = True
         return replaced
 
-    def submit(self, tag: int, write_fn, preload_fn, args, staging: str) -> None:
-        self._requests.put((tag, write_fn, preload_fn, args, staging))
+    def submit(self, tag: int, work, work_args: tuple) -> None:
+        self._requests.put((tag, work, work_args))
 
     def poll(self, tag: int) -> tuple[str, object]:
-        """("running", None), ("done", checksums) or ("failed", why) for request `tag`."""
+        """("running", None), ("done", result) or ("failed", why) for request `tag`."""
         try:
-            got, error, checksums = self._results.get_nowait()
+            got, error, result = self._results.get_nowait()
             if got == _READY:
                 self.ready_at = time.monotonic()
                 return "running", None
@@ -117,12 +110,12 @@ class WriterProcess:
             if self.process.is_alive():
                 return "running", None
             try:  # it may have reported just before exiting
-                got, error, checksums = self._results.get(timeout=0.5)
+                got, error, result = self._results.get(timeout=0.5)
             except queue.Empty:
                 return "failed", (f"the worker (pid {self.process.pid}) died, exit code "
                                   f"{self.process.exitcode}")
         assert got == tag, (got, tag)
-        return ("failed", error) if error else ("done", checksums)
+        return ("failed", error) if error else ("done", result)
 
     def kill(self) -> None:
         if self.process is not None and self.process.is_alive():
@@ -140,9 +133,7 @@ class WriterProcess:
 @dataclass
 class _Pending:
     tier: CheckpointTier
-    iteration: int
-    staging: str
-    finalize_fns: list
+    job: AsyncSaveJob
     tag: int
     started: float
     on_published: object
@@ -154,7 +145,6 @@ class AsyncSaves:
         self.worker = WriterProcess()
         self.pending: _Pending | None = None
         self._tag = 0
-        self._nothing_to_write = False
         self._verdict: tuple[str, object] | None = None
 
     def submit(self, tier, sharded_state: dict, iteration: int, on_published) -> None:
@@ -167,24 +157,17 @@ class AsyncSaves:
             events.decision("save", "async checkpoint worker restarted before the save of iteration "
                             f"{iteration} (" + "; ".join(replaced) + ")", iteration=iteration,
                             reasons=replaced)
-        staging, request = tier.save_async(sharded_state, iteration)
+        job = tier.save_async(sharded_state, iteration)
         self._tag += 1
-        if request.async_fn is not None:
-            self.worker.submit(self._tag, request.async_fn, request.preload_fn,
-                               request.async_fn_args, staging)
-        self.pending = _Pending(tier, iteration, staging, list(request.finalize_fns), self._tag,
-                                time.monotonic(), on_published)
-        self._nothing_to_write = request.async_fn is None  # then nothing to wait for either
+        self.worker.submit(self._tag, job.work, job.work_args)
+        self.pending = _Pending(tier, job, self._tag, time.monotonic(), on_published)
         self._verdict = None
 
     def _local_status(self) -> tuple[str, object]:
         # The verdict is kept: the worker reports once, but the ranks may agree only later.
         if self._verdict is not None:
             return self._verdict
-        if self._nothing_to_write:
-            status, payload = "done", checksum_own_shards(self.pending.staging, parallel.rank())
-        else:
-            status, payload = self.worker.poll(self.pending.tag)
+        status, payload = self.worker.poll(self.pending.tag)
         ready = self.worker.ready_at
         clock = max(self.pending.started, ready) if ready is not None else self.worker.started_at
         if status == "running" and time.monotonic() - clock > self.timeout_secs:
@@ -207,22 +190,22 @@ class AsyncSaves:
         if not parallel.all_ranks_agree(status != "running"):
             return False
         pending, self.pending = self.pending, None
-        failures = [f"rank {rank}: {why}" for rank, why in
-                    enumerate(parallel.all_gather_object(payload if status == "failed" else None)) if why]
-        if failures:
-            pending.tier.abandon(pending.staging)
-            self.worker.start()  # a fresh one now, so its start-up overlaps training
-            events.decision("save", f"async save of {pending.tier.name} iteration {pending.iteration} "
-                            "failed (" + "; ".join(failures) + "); nothing was published, the previous "
-                            "checkpoints are intact; training continues, with a fresh "
-                            "worker where one failed",
-                            tier=pending.tier.name, iteration=pending.iteration, reasons=failures)
+        job, name = pending.job, pending.tier.name
+        verdicts = parallel.all_gather_object((status, payload))
+        failures = [f"rank {rank}: {why}" for rank, (verdict, why) in enumerate(verdicts)
+                    if verdict == "failed"]
+        try:
+            if failures:
+                job.abandon()
+                raise CheckpointSaveError("; ".join(failures))
+            path = job.publish([result for _, result in verdicts])
+        except CheckpointSaveError as err:
+            self.worker.start()  # a fresh one now where one failed, so its start-up overlaps training
+            events.decision("save", f"async save of {name} iteration {job.iteration} failed ({err}); "
+                            "nothing was published, the previous checkpoints are intact; training "
+                            "continues", tier=name, iteration=job.iteration, reason=str(err))
             return False
-        for finalize in pending.finalize_fns:  # megatron-core's: global .metadata, metadata.json
-            finalize()
-        path = pending.tier.finish(pending.staging, pending.iteration, gather_checksums(payload))
-        pending.on_published(pending.tier, pending.iteration, path,
-                             time.monotonic() - pending.started)
+        pending.on_published(pending.tier, job.iteration, path, time.monotonic() - pending.started)
         return True
 
     def wait(self) -> bool:

@@ -33,7 +33,7 @@ from megatron_resil import events, parallel
 from megatron_resil.checkpointing.atomic import atomic_write_text
 from megatron_resil.checkpointing.replication import build_clique_strategy, comm_device
 from megatron_resil.checkpointing.sealed_shard import SealedShard, crc32_of, read_payload
-from megatron_resil.checkpointing.tier import CheckpointTier, TierCandidate
+from megatron_resil.checkpointing.tier import AsyncSaveJob, CheckpointTier, TierCandidate
 from megatron_resil.checkpointing.torch_dist_tier import CheckpointSaveError
 
 MANIFEST_SUFFIX = ".manifest.json"
@@ -51,16 +51,15 @@ class _VerifiableLocalManager(LocalCheckpointManager):
 
     def _save(self, shard: SealedShard, ckpt_id) -> None:
         self._ensure_dir()
-        final = self._local_ckpt_path_from_id(ckpt_id)
-        dirty = self._local_ckpt_path_from_id(ckpt_id, True)
-        dirty.unlink(missing_ok=True)  # left by a crashed save; NVRx would fail this save on it
-        # The manifest goes first, so a shard under its final name always has one.
-        atomic_write_text(str(final) + MANIFEST_SUFFIX, json.dumps({**shard.meta, "format": "sealed-v1"}))
-        with open(dirty, "wb") as f:
-            f.write(memoryview(shard.payload.numpy()))
-        if self.on_written is not None:
-            self.on_written(ckpt_id[0])
-        dirty.rename(final)
+        write_copy(self._local_ckpt_path_from_id(ckpt_id), self._local_ckpt_path_from_id(ckpt_id, True),
+                   shard.meta, shard.payload, on_written=self.on_written)
+
+    def copies_to_write(self, id_to_shard: dict) -> list:
+        """write_copy's arguments for each copy NVRx's save would write here, for a background writer."""
+        self._ensure_dir()
+        return [(self._local_ckpt_path_from_id(ckpt_id), self._local_ckpt_path_from_id(ckpt_id, True),
+                 shard.meta, shard.payload)
+                for ckpt_id, shard in id_to_shard.items()]
 
     def _save_fn(self, id_to_state_dict) -> None:
         # NVRx raises here on the failing rank only, leaving the others in the barrier that
@@ -88,6 +87,25 @@ class _VerifiableLocalManager(LocalCheckpointManager):
             path.unlink(missing_ok=True)
 
 
+def write_copy(final: Path, dirty: Path, meta: dict, payload: torch.Tensor, on_written=None) -> None:
+    """One copy of a sealed shard under NVRx's names: written as `dirty`, renamed when complete."""
+    dirty.unlink(missing_ok=True)  # left by a crashed save; NVRx would fail this save on it
+    # The manifest goes first, so a shard under its final name always has one.
+    atomic_write_text(str(final) + MANIFEST_SUFFIX, json.dumps({**meta, "format": "sealed-v1"}))
+    with open(dirty, "wb") as f:
+        f.write(memoryview(payload.numpy()))
+    if on_written is not None:
+        on_written(meta["iteration"])
+    dirty.rename(final)
+
+
+def write_copies(copies: list) -> None:
+    """An async local save's background work (in the worker process): write every copy this rank
+    holds, its own shard and its peers' replicas."""
+    for final, dirty, meta, payload in copies:
+        write_copy(final, dirty, meta, payload)
+
+
 def _iteration_of(name: str) -> int:
     return int(name.split("_")[1])
 
@@ -97,6 +115,7 @@ def _owner_of(name: str) -> int:
 
 
 class LocalTier(CheckpointTier):
+    supports_async_save = True
     def __init__(self, root: str, *, algo: str = "fully_parallel", replication: tuple[int, int] | None = None,
                  verify_checksums: bool = True) -> None:
         self.root = root
@@ -253,13 +272,16 @@ class LocalTier(CheckpointTier):
                 f.write(reason + "\n")
 
     # ---- save side -------------------------------------------------------------------------
-    def save(self, sharded_state: dict, iteration: int) -> str:
+    def _seal(self, sharded_state: dict, iteration: int) -> SealedShard:
         state, _ = MCoreTensorAwareStateDict.from_state_dict(
             sharded_state, algo=self.algo, parallelization_group=_dp_group())
         state.copy_tensors_to_cpu(non_blocking=False)
-        shard = SealedShard.seal(state, iteration=iteration, owner=parallel.rank(), comm_device=comm_device())
-        self.manager.on_written = self.on_staged
         self.manager.latest_iteration = -1  # NVRx refuses iterations below its cache (after a rollback)
+        return SealedShard.seal(state, iteration=iteration, owner=parallel.rank(), comm_device=comm_device())
+
+    def save(self, sharded_state: dict, iteration: int) -> str:
+        shard = self._seal(sharded_state, iteration)
+        self.manager.on_written = self.on_staged
         try:
             self.manager.save(shard, iteration)
             error = None
@@ -273,6 +295,30 @@ class LocalTier(CheckpointTier):
         if failures:
             events.decision("save", f"local iteration {iteration} saved, but some copies failed: "
                             + "; ".join(failures), tier=self.name, iteration=iteration)
+        return self._describe(iteration)
+
+    def save_async(self, sharded_state: dict, iteration: int) -> AsyncSaveJob:
+        """Seal and replicate collectively (the replicas travel now, as bytes in host memory); the
+        worker writes this rank's copies; publishing checks every shard is on disk somewhere and
+        only then lets NVRx drop the older iteration."""
+        request = self.manager.save(self._seal(sharded_state, iteration), iteration, is_async=True)
+        (id_to_shard,) = request.async_fn_args
+        return AsyncSaveJob(iteration, write_copies, (self.manager.copies_to_write(id_to_shard),),
+                            lambda _: self._publish_async(iteration),
+                            lambda: self.manager._cleanup_failed_save(iteration))
+
+    def _publish_async(self, iteration: int) -> str:
+        if self.on_staged is not None:
+            self.on_staged(iteration)
+        # NVRx's own completeness check (every rank's shard present), as its synchronous save does.
+        self.manager.latest_iteration = -1
+        complete = self.manager.find_latest()
+        self.manager.latest_iteration = -1
+        if complete < iteration:
+            self.manager._cleanup_failed_save(iteration)
+            raise CheckpointSaveError(f"local checkpoint of iteration {iteration} is incomplete "
+                                      f"(newest complete iteration: {complete})")
+        self.manager._cleanup(iteration)
         return self._describe(iteration)
 
     def startup_cleanup(self) -> None:

@@ -193,7 +193,7 @@ class CheckpointManager:
             return self.save(progress, final=False) or published
         if self.non_persistent_tier is not None and _due(iteration, self.config.non_persistent_interval):
             try:
-                self._save_to(self.non_persistent_tier, progress)
+                self._save_to(self.non_persistent_tier, progress, use_async=True)
             except CheckpointSaveError as err:
                 # The persistent checkpoints still stand; losing one non-persistent save is
                 # cheaper than losing the job.
@@ -217,8 +217,9 @@ class CheckpointManager:
         sharded = state.build_sharded_state(
             self.model, self.optimizer, self.scheduler, progress, self.args,
             with_optimizer=self.config.save_optim, with_rng=self.config.save_rng)
+        use_async = use_async and self.async_saves is not None and tier.supports_async_save
         events.record("save_started", tier=tier.name, iteration=progress.iteration, asynchronous=use_async)
-        if use_async and self.async_saves is not None and hasattr(tier, "save_async"):
+        if use_async:
             self.async_saves.submit(tier, sharded, progress.iteration, self._published)
             return
         started = time.monotonic()

@@ -7,6 +7,7 @@ it is unusable, or None), loads one into a sharded template, and saves. It never
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -18,8 +19,23 @@ class TierCandidate:
     note: str = ""  # why it is ordered where it is (e.g. "named by tracker")
 
 
+@dataclass
+class AsyncSaveJob:
+    """A save a tier has staged for --async-save. `work(*work_args)` runs in this rank's background
+    worker (so both must pickle) and returns what `publish` needs from this rank. Once every rank's
+    work succeeded, `publish` (collective) gets the results of all ranks, makes the checkpoint
+    visible atomically and returns its path; if any rank's work failed, `abandon` (collective)
+    drops what was staged. Either may raise CheckpointSaveError."""
+    iteration: int
+    work: Callable
+    work_args: tuple
+    publish: Callable[[list], str]
+    abandon: Callable[[], None]
+
+
 class CheckpointTier(ABC):
     name: str
+    supports_async_save = False  # True where save_async is implemented
 
     @abstractmethod
     def candidates(self) -> list[TierCandidate]:
@@ -40,6 +56,10 @@ class CheckpointTier(ABC):
     @abstractmethod
     def save(self, sharded_state: dict, iteration: int) -> str:
         """Collective: write and publish atomically; returns the published path."""
+
+    def save_async(self, sharded_state: dict, iteration: int) -> AsyncSaveJob:
+        """Collective: stage a save whose writing a background worker does (--async-save)."""
+        raise NotImplementedError(f"the {self.name} tier saves synchronously only")
 
     def quarantine(self, candidate: TierCandidate, reason: str) -> None:  # noqa: B027 - optional
         """Collective: set aside a candidate that failed verification so it is never tried again."""

@@ -11,6 +11,7 @@ import os
 import shutil
 
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -28,7 +29,7 @@ from megatron_resil.checkpointing.manifest import (
     verify_manifest,
     write_manifest,
 )
-from megatron_resil.checkpointing.tier import CheckpointTier, TierCandidate
+from megatron_resil.checkpointing.tier import AsyncSaveJob, CheckpointTier, TierCandidate
 from megatron_resil.checkpointing.tracker import read_tracker, write_tracker
 
 FORMAT = "torch_dist"
@@ -46,6 +47,7 @@ def _make_staging(root: str, iteration: int) -> str:
 
 
 class TorchDistTier(CheckpointTier):
+    supports_async_save = True
     def __init__(self, root: str, name: str = "persistent", write_tracker: bool = True,
                  verify_checksums: bool = True) -> None:
         self.root = root
@@ -121,14 +123,22 @@ class TorchDistTier(CheckpointTier):
         checksums = gather_checksums(checksum_own_shards(staging, parallel.rank()))
         return self.finish(staging, iteration, checksums)
 
-    def save_async(self, sharded_state: dict, iteration: int):
-        """The collective part of an async save: plan and stage; returns (staging, request) where
-        megatron-core's request holds the writes (for the background worker) and its finalize steps.
-        The caller runs the finalize steps and then `finish` once every rank's writes are done."""
+    def save_async(self, sharded_state: dict, iteration: int) -> AsyncSaveJob:
+        """Plan and stage collectively; the worker writes this rank's shards and checksums them;
+        megatron-core's finalize steps (global .metadata) and our publish follow on every rank."""
         staging = self._begin(iteration)
         request = dist_checkpointing.save(snapshot(sharded_state), staging, sharded_strategy=self._strategy(),
                                           async_sharded_save=True)
-        return staging, request
+
+        def publish(per_rank_checksums: list) -> str:
+            for finalize in request.finalize_fns:
+                finalize()
+            return self.finish(staging, iteration, _merged(per_rank_checksums))
+
+        return AsyncSaveJob(iteration, write_own_shards,
+                            (parallel.rank(), staging, request.async_fn, request.preload_fn,
+                             request.async_fn_args),
+                            publish, lambda: self.abandon(staging))
 
     def finish(self, staging: str, iteration: int, checksums: dict) -> str:
         """Collective: publish a staged checkpoint whose shards every rank has written."""
@@ -226,11 +236,29 @@ def checksum_own_shards(staging: str, rank: int) -> dict:
     return checksum_files(staging, own)
 
 
+def write_own_shards(rank: int, staging: str, write_fn, preload_fn, write_args) -> dict:
+    """An async save's background work (in the worker process): write this rank's shards with
+    megatron-core's writer and return their checksums, computed by the writer of the data."""
+    if write_fn is not None:  # None: this rank has nothing to write in this save
+        write_args = list(write_args)
+        if preload_fn is not None:
+            write_args[1] = preload_fn()
+        with dcp_writer.without_torch_record_crc():
+            write_fn(*write_args)
+        for child in mp.active_children():  # megatron-core's forked writers: never checksum a
+            child.join()                      # file one of them may still be finishing
+    return checksum_own_shards(staging, rank)
+
+
 def gather_checksums(local: dict) -> dict:
     """Union of every rank's checksums (collective; also the barrier that says every shard is
     written)."""
+    return _merged(parallel.all_gather_object(local))
+
+
+def _merged(per_rank: list[dict]) -> dict:
     merged: dict = {}
-    for part in parallel.all_gather_object(local):
+    for part in per_rank:
         merged.update(part)
     return merged
 
