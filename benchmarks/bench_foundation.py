@@ -7,7 +7,7 @@
 Three ratios, each between two things measured in the same run, interleaved (A, B, B, A, ...) and
 repeated; the table shows the median of the per-repeat ratios and their spread (min-max):
 
-1. save overhead: `TorchDistTier.save` (staging dir, dist_checkpointing.save, fsync_tree, manifest,
+1. save overhead: `GlobalTier.save` (staging dir, dist_checkpointing.save, fsync_tree, manifest,
    rename, tracker) / megatron-core's plain `dist_checkpointing.save` of the same sharded state
    (model + Adam state from `build_sharded_state`) into a fresh directory, same save strategy.
 2. save throughput: bytes of the published checkpoint / atomic save time, divided by the
@@ -16,7 +16,7 @@ repeated; the table shows the median of the per-repeat ratios and their spread (
    with labels, loss mean, backward, torch.optim.AdamW step) on the same model and batch.
 
 1 and 2 run on 2 ranks under torchrun (gloo, loopback); 3 runs afterwards in rank 0 alone, once
-the other rank has exited, as a world of one. Each TorchDistTier.save is also timed step by step
+the other rank has exited, as a world of one. Each GlobalTier.save is also timed step by step
 (see SaveStepTimer). Everything is written under a temporary directory in --workdir, removed at
 the end. Results: BENCHMARKS.md.
 """
@@ -60,9 +60,9 @@ QUICK = {
 }
 
 WHAT_IF = {
-    "atomic_torch_crc_off": "TorchDistTier.save with torch.save's per-record CRC32 off",
-    "atomic_no_readback": "TorchDistTier.save without the CRC32 read-back of the shards (sizes only)",
-    "atomic_no_crc": "TorchDistTier.save with neither (no CRC32 of the shard data at all)",
+    "atomic_torch_crc_off": "GlobalTier.save with torch.save's per-record CRC32 off",
+    "atomic_no_readback": "GlobalTier.save without the CRC32 read-back of the shards (sizes only)",
+    "atomic_no_crc": "GlobalTier.save with neither (no CRC32 of the shard data at all)",
 }
 GOALS = {"save_overhead": ("<=", 1.05), "save_throughput": (">=", 0.8), "step_time": ("<=", 1.02)}
 
@@ -115,7 +115,7 @@ class _Proxy:
 
 
 class SaveStepTimer:
-    """Times the steps of TorchDistTier.save by wrapping the names its modules look up at call time.
+    """Times the steps of GlobalTier.save by wrapping the names its modules look up at call time.
 
     The code path is the tier's own (each wrapper adds two perf_counter calls). Nested calls are
     recorded under their caller ("fsync_tree > fsync_file[*.distcp]"); collectives are numbered in
@@ -134,7 +134,7 @@ class SaveStepTimer:
         self.history: list[dict[str, float]] = []
         self._stack: list[str] = []
         self._counts: dict[str, int] = {}
-        self.active = False  # only TorchDistTier.save is recorded, not the baseline saves
+        self.active = False  # only GlobalTier.save is recorded, not the baseline saves
 
     def start(self) -> None:
         self.current, self._stack, self._counts, self.active = {}, [], {}, True
@@ -173,7 +173,7 @@ class SaveStepTimer:
 
         from megatron_resil import parallel
         from megatron_resil.checkpointing import atomic, manifest
-        from megatron_resil.checkpointing import torch_dist_tier as tdt
+        from megatron_resil.checkpointing import global_tier as tdt
 
         def proxy(module, names, numbered):
             return _Proxy(module, **{n: self.wrap(f"{module.__name__.split('.')[-1]}.{n}", getattr(module, n),
@@ -262,8 +262,8 @@ def save_worker(opts: argparse.Namespace) -> None:
 
     from megatron_resil import cpu_compat, parallel
     from megatron_resil.arguments import parse_args
+    from megatron_resil.checkpointing.global_tier import GlobalTier
     from megatron_resil.checkpointing.state import build_sharded_state
-    from megatron_resil.checkpointing.torch_dist_tier import TorchDistTier
     from megatron_resil.model import build_model
     from megatron_resil.optimizer import Optimizer, build_scheduler
     from megatron_resil.progress import TrainProgress
@@ -319,7 +319,7 @@ def save_worker(opts: argparse.Namespace) -> None:
         return fresh_state, n_params
 
     def plain_strategy():
-        # The same strategy TorchDistTier uses: torch_dist, spread over data-parallel ranks.
+        # The same strategy GlobalTier uses: torch_dist, spread over data-parallel ranks.
         strategy = get_default_save_sharded_strategy("torch_dist")
         if world > 1:
             strategy = FullyParallelSaveStrategyWrapper(
@@ -329,7 +329,7 @@ def save_worker(opts: argparse.Namespace) -> None:
     def run_config(name: str, shape: dict, repeats: int, with_raw: bool) -> dict:
         fresh_state, n_params = build_state(shape)
         base = os.path.join(opts.dir, name)
-        tier = TorchDistTier(os.path.join(base, "atomic"))
+        tier = GlobalTier(os.path.join(base, "atomic"))
         plain_root = os.path.join(base, "plain")
         raw_root = os.path.join(base, "raw")
         if rank0:
@@ -442,7 +442,7 @@ def save_worker(opts: argparse.Namespace) -> None:
         if variant is None:
             yield
             return
-        from megatron_resil.checkpointing import torch_dist_tier as tdt
+        from megatron_resil.checkpointing import global_tier as tdt
         if variant not in WHAT_IF:
             raise ValueError(variant)
         torch_crc_off = variant in ("atomic_torch_crc_off", "atomic_no_crc")
@@ -610,7 +610,7 @@ def report(save: dict, step: dict, quick: bool, elapsed: float) -> dict:
             "step_time": min(steps_ours) / min(steps_bare)}
     mib = 1024 * 1024
     rows = [
-        ("1", "save time: TorchDistTier.save / plain dist_checkpointing.save",
+        ("1", "save time: GlobalTier.save / plain dist_checkpointing.save",
          f"{small['bytes'] / mib:.0f} MiB, {small['files']} files, 2 ranks",
          f"{statistics.median(small['atomic']):.3f} s", f"{statistics.median(small['plain']):.3f} s",
          r1, "save_overhead"),
@@ -661,7 +661,7 @@ def report(save: dict, step: dict, quick: bool, elapsed: float) -> dict:
                   f"best/best {b1:.3f}); ratio 2 {w2['median']:.3f} "
                   f"(spread {w2['min']:.3f}-{w2['max']:.3f}, best/best {b2:.3f})")
     for name, data, plain_list in (("1", small, small["plain"]), ("2", large, large["plain"])):
-        print(f"\nTorchDistTier.save step breakdown, benchmark {name} "
+        print(f"\nGlobalTier.save step breakdown, benchmark {name} "
               f"(mean over {len(data['atomic'])} saves, rank 0 wall time, in call order):")
         total = data["breakdown"]["TOTAL"]
         accounted = 0.0
@@ -675,7 +675,7 @@ def report(save: dict, step: dict, quick: bool, elapsed: float) -> dict:
             print(f"  {shown:<58} {seconds * 1e3:9.1f} ms  {100 * seconds / total:5.1f} %")
         print(f"  {'other (unwrapped code, timing barrier)':<58} "
               f"{(total - accounted) * 1e3:9.1f} ms  {100 * (total - accounted) / total:5.1f} %")
-        print(f"  {'TOTAL TorchDistTier.save':<58} {total * 1e3:9.1f} ms")
+        print(f"  {'TOTAL GlobalTier.save':<58} {total * 1e3:9.1f} ms")
         plain = statistics.fmean(plain_list)
         print(f"  {'plain dist_checkpointing.save (incl. mkdir + barriers)':<58} {plain * 1e3:9.1f} ms")
         print(f"  {'difference':<58} {(total - plain) * 1e3:9.1f} ms")

@@ -7,7 +7,7 @@ Ratios between two things measured in the same run, interleaved (A, B, B, A, ...
 reported as the median of the per-repeat ratios with their spread:
 
 1. persistent verified load / unverified load: the loader (`load_first_verified` over a
-   TorchDistTier: candidates, sizes of every file, CRC32 of this rank's share, one agreement, then
+   GlobalTier: candidates, sizes of every file, CRC32 of this rank's share, one agreement, then
    dist_checkpointing.load) / megatron-core's plain `dist_checkpointing.load` of the same checkpoint.
 2. local verified load / unverified load: the loader over a LocalTier with replication (every copy
    this rank holds checked against its owner's CRC32, agreement, exchange plan, unseal,
@@ -59,10 +59,10 @@ def worker(opts: argparse.Namespace) -> None:
     from megatron_resil import cpu_compat, parallel
     from megatron_resil.arguments import parse_args
     from megatron_resil.checkpointing import loader
+    from megatron_resil.checkpointing.global_tier import GlobalTier
     from megatron_resil.checkpointing.local_tier import LocalTier
     from megatron_resil.checkpointing.replication import build_clique_strategy
     from megatron_resil.checkpointing.state import build_sharded_state
-    from megatron_resil.checkpointing.torch_dist_tier import TorchDistTier
     from megatron_resil.model import build_model
     from megatron_resil.optimizer import Optimizer, build_scheduler
     from megatron_resil.progress import TrainProgress
@@ -100,7 +100,7 @@ def worker(opts: argparse.Namespace) -> None:
     sizes: dict[str, int] = {}
 
     # 1. persistent tier
-    persistent = TorchDistTier(os.path.join(root, "persistent"))
+    persistent = GlobalTier(os.path.join(root, "persistent"))
     path = persistent.save(state(), 10)
     sizes["persistent"] = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
     verified = lambda: loader.load_first_verified([persistent], template)  # noqa: E731

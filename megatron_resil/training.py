@@ -10,8 +10,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_resil import cpu_compat, events, exit_codes, parallel
+from megatron_resil.checkpointing.global_tier import CheckpointSaveError
 from megatron_resil.checkpointing.manager import CheckpointConfig, CheckpointManager
-from megatron_resil.checkpointing.torch_dist_tier import CheckpointSaveError
 from megatron_resil.data import build_datasets, get_microbatch
 from megatron_resil.fault_injection import FaultInjector
 from megatron_resil.model import build_model

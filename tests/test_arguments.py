@@ -90,6 +90,8 @@ BAD = {c.id: c for c in [
          names=("--data-path", "nope")),
     Case("ckpt-format-torch-unsupported", set_={"--ckpt-format": "torch"},
          names=("--ckpt-format torch",)),
+    Case("async-save-with-zarr", set_={"--ckpt-format": "zarr", "--save": "{tmp}/ckpt"},
+         extra=("--async-save",), names=("--async-save", "--ckpt-format", "zarr")),
     Case("transformer-engine-on-cpu", set_={"--transformer-impl": "transformer_engine"},
          names=("--transformer-impl",),
          marks=pytest.mark.skipif(HAVE_TE, reason="Transformer Engine and CUDA are present")),

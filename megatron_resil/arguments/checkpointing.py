@@ -7,7 +7,7 @@ import os
 
 from megatron_resil.arguments.errors import ArgumentError
 
-SUPPORTED_FORMATS = ("torch_dist",)
+SUPPORTED_FORMATS = ("torch_dist", "zarr")
 MEGATRON_FORMATS = ("torch", "torch_dist", "torch_dcp", "fsdp_dtensor", "zarr")
 
 
@@ -20,7 +20,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="older checkpoints are deleted unless their iteration is a multiple of this")
     g.add_argument("--ckpt-keep-last", type=int, default=None,
                    help="keep only the newest K checkpoints (plus --save-retain-interval ones)")
-    g.add_argument("--ckpt-format", choices=MEGATRON_FORMATS, default="torch_dist")
+    g.add_argument("--ckpt-format", choices=MEGATRON_FORMATS, default="torch_dist",
+                   help="what global checkpoints are written in: torch_dist, or zarr (zarr v3 through "
+                        "tensorstore, one array per tensor, readable outside PyTorch; synchronous saves "
+                        "only). Loading reads either.")
     g.add_argument("--no-save-optim", action="store_true")
     g.add_argument("--no-save-rng", action="store_true")
     g.add_argument("--no-load-optim", action="store_true")
@@ -94,7 +97,7 @@ def _check_writable(flag: str, path: str | None) -> None:
 def validate(args: argparse.Namespace, world_size: int) -> None:
     if args.ckpt_format not in SUPPORTED_FORMATS:
         raise ArgumentError(
-            f"--ckpt-format {args.ckpt_format} is not supported; use --ckpt-format torch_dist")
+            f"--ckpt-format {args.ckpt_format} is not supported; use --ckpt-format torch_dist or zarr")
     _check_dir_flag("--save", args.save)
     _check_dir_flag("--load", args.load)
     _check_writable("--save", args.save)
@@ -106,6 +109,9 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     _validate_non_persistent(args, world_size)
     if args.async_save and args.save is None:
         raise ArgumentError("--async-save needs --save DIR")
+    if args.async_save and args.ckpt_format != "torch_dist":
+        raise ArgumentError(f"--async-save works with --ckpt-format torch_dist only (as in Megatron), not "
+                            f"{args.ckpt_format}; drop --async-save or use torch_dist")
     if args.async_save_timeout_secs <= 0:
         raise ArgumentError("--async-save-timeout-secs must be positive")
     if args.exit_on_missing_checkpoint and args.load is None:

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch.multiprocessing as mp
 
 from megatron_resil import cpu_compat, events, parallel
+from megatron_resil.checkpointing.global_tier import CheckpointSaveError
 from megatron_resil.checkpointing.tier import AsyncSaveJob, CheckpointTier
-from megatron_resil.checkpointing.torch_dist_tier import CheckpointSaveError
 
 WORKER_NAME = b"resil-ckpt-wkr"  # the process name (comm) operators and tests see in ps
 _READY = -1  # the tag of the worker's first message: started and imported, ready to write
@@ -40,8 +40,8 @@ def _worker_loop(trainer_pid: int, requests, results) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     cpu_compat.apply_if_needed()  # megatron-core's writer synchronises CUDA
     # The tiers' modules (megatron-core, NVRx) are imported before "ready", not inside a save.
+    import megatron_resil.checkpointing.global_tier  # noqa: F401
     import megatron_resil.checkpointing.local_tier  # noqa: F401
-    import megatron_resil.checkpointing.torch_dist_tier  # noqa: F401
     results.put((_READY, None, None))
     try:
         ctypes.CDLL(None).prctl(15, WORKER_NAME, 0, 0, 0)  # PR_SET_NAME

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_resil import events, parallel
-from megatron_resil.checkpointing.tier import CheckpointTier, TierCandidate
+from megatron_resil.checkpointing.tier import CheckpointDataError, CheckpointTier, TierCandidate
 
 
 class CheckpointLoadError(RuntimeError):
@@ -66,13 +66,23 @@ def load_first_verified(tiers: list[CheckpointTier],
         try:
             state = tier.load(candidate, make_template(candidate, tier.saved_args(candidate)))
             failure = None
+        except CheckpointDataError as err:  # bad data found while reading: reject, as verification would
+            state, failure = None, ("data", _one_line(err))
         # Reported collectively below, so no rank is left waiting. torch's DCP raises
         # CheckpointException, a BaseException.
         except (Exception, CheckpointException) as err:
-            state, failure = None, _one_line(err)
+            state, failure = None, ("model", _one_line(err))
         if not parallel.all_ranks_agree(failure is None):
+            failures = parallel.all_gather_object(failure)
+            if any(f is not None and f[0] == "data" for f in failures):
+                why = _summarise([f[1] if f is not None and f[0] == "data" else None for f in failures])
+                events.decision("load", f"rejected {where} while loading it: {why}", verdict="rejected",
+                                tier=candidate.tier, iteration=candidate.iteration, path=candidate.path,
+                                reason=why)
+                tier.quarantine(candidate, why)
+                continue
             raise CheckpointLoadError(f"{where} passed verification but does not load into this model "
-                                      f"({_summarise(parallel.all_gather_object(failure))}); check that the "
+                                      f"({_summarise([f and f[1] for f in failures])}); check that the "
                                       "model and parallel flags match the run that saved it")
         events.decision("load", f"accepted {where}: verified, {candidate.note}", verdict="accepted",
                         tier=candidate.tier, iteration=candidate.iteration, path=candidate.path)

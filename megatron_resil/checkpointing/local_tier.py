@@ -31,10 +31,10 @@ from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager impor
 
 from megatron_resil import events, parallel
 from megatron_resil.checkpointing.atomic import atomic_write_text
+from megatron_resil.checkpointing.global_tier import CheckpointSaveError
 from megatron_resil.checkpointing.replication import build_clique_strategy, comm_device
 from megatron_resil.checkpointing.sealed_shard import SealedShard, crc32_of, read_payload
 from megatron_resil.checkpointing.tier import AsyncSaveJob, CheckpointTier, TierCandidate
-from megatron_resil.checkpointing.torch_dist_tier import CheckpointSaveError
 
 MANIFEST_SUFFIX = ".manifest.json"
 QUARANTINE_DIR = "quarantined"

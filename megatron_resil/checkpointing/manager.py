@@ -20,10 +20,10 @@ from megatron_resil.checkpointing import layout, loader, state
 from megatron_resil.checkpointing.async_save import AsyncSaves
 from megatron_resil.checkpointing.canary import LoadCanary
 from megatron_resil.checkpointing.dcp_writer import prepare_for_saving
+from megatron_resil.checkpointing.global_tier import CheckpointSaveError, GlobalTier
 from megatron_resil.checkpointing.local_tier import LocalTier
 from megatron_resil.checkpointing.retention import apply_retention
 from megatron_resil.checkpointing.tier import CheckpointTier, TierCandidate
-from megatron_resil.checkpointing.torch_dist_tier import CheckpointSaveError, TorchDistTier
 from megatron_resil.checkpointing.tracker import tracker_path
 from megatron_resil.progress import TrainProgress
 
@@ -50,6 +50,7 @@ class CheckpointConfig:
     canary_iters: int
     async_save: bool
     async_timeout_secs: float
+    ckpt_format: str
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> CheckpointConfig:
@@ -69,7 +70,8 @@ class CheckpointConfig:
                    replication=(args.replication_jump, args.replication_factor)
                    if args.replication else None,
                    canary_iters=args.non_persistent_canary_iters,
-                   async_save=args.async_save, async_timeout_secs=args.async_save_timeout_secs)
+                   async_save=args.async_save, async_timeout_secs=args.async_save_timeout_secs,
+                   ckpt_format=args.ckpt_format)
 
 
 class CheckpointManager:
@@ -77,7 +79,7 @@ class CheckpointManager:
                  args: argparse.Namespace, on_staged=None) -> None:
         self.config = config
         self.model, self.optimizer, self.scheduler, self.args = model, optimizer, scheduler, args
-        self.save_tier = TorchDistTier(config.save) if config.save else None
+        self.save_tier = GlobalTier(config.save, ckpt_format=config.ckpt_format) if config.save else None
         self.non_persistent_tier = _non_persistent_tier(config)
         self.canary = LoadCanary(config.canary_iters)
         self.async_saves = AsyncSaves(config.async_timeout_secs) if config.async_save else None
@@ -100,7 +102,7 @@ class CheckpointManager:
     def _load(self, persistent_only: bool = False) -> TrainProgress:
         if self.config.load is None:
             return TrainProgress()
-        persistent = TorchDistTier(self.config.load, verify_checksums=self.config.verify_checksums)
+        persistent = GlobalTier(self.config.load, verify_checksums=self.config.verify_checksums)
         tiers: list[CheckpointTier] = [persistent]
         if self.non_persistent_tier is not None and not persistent_only:
             # The node-local tier is tried first at equal iterations (fastest, and the canary
@@ -235,7 +237,7 @@ class CheckpointManager:
         kind = "" if tier is self.save_tier else f"{tier.name} "
         events.print_rank_0(f"  successfully saved {kind}checkpoint from iteration {iteration:7d} "
                             f"to {tier.root} [ t 1/{tp}, p 1/1 ]")
-        if parallel.is_rank0() and isinstance(tier, TorchDistTier):
+        if parallel.is_rank0() and isinstance(tier, GlobalTier):
             if tier is self.save_tier:
                 apply_retention(self.config.save, self.config.keep_last, self.config.save_retain_interval)
             else:  # non-persistent: only the newest is kept, as in Megatron (NVRx does it for local)
@@ -247,8 +249,8 @@ def _non_persistent_tier(config: CheckpointConfig) -> CheckpointTier | None:
         return LocalTier(config.local_dir, algo=config.local_algo, replication=config.replication,
                          verify_checksums=config.verify_checksums)
     if config.non_persistent_dir is not None:
-        return TorchDistTier(config.non_persistent_dir, name="non-persistent",
-                             verify_checksums=config.verify_checksums)
+        return GlobalTier(config.non_persistent_dir, name="non-persistent",
+                          verify_checksums=config.verify_checksums, ckpt_format=config.ckpt_format)
     return None
 
 

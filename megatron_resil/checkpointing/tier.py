@@ -11,6 +11,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 
+class CheckpointDataError(Exception):
+    """Raised by a tier's load when the candidate's data proves bad while being read (a format's own
+    check, e.g. zarr's per-chunk crc32c, after the manifest passed or was skipped): the loader
+    rejects the candidate as if verification had failed, instead of treating it as a model mismatch."""
+
+
 @dataclass(frozen=True)
 class TierCandidate:
     tier: str  # e.g. "persistent"

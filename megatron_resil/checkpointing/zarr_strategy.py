@@ -34,6 +34,8 @@ from megatron.core.dist_checkpointing.strategies.base import (
     register_default_strategy,
 )
 
+from megatron_resil.checkpointing.tier import CheckpointDataError
+
 BACKEND, VERSION = "zarr", 1
 KEY_ATTR = "megatron_key"
 _RESERVED = {"", ".", "..", "common.pt", "metadata.json"}
@@ -43,13 +45,17 @@ _ML_DTYPES = {torch.bfloat16: ml_dtypes.bfloat16, torch.float8_e4m3fn: ml_dtypes
 _SAME_SIZE_INT = {1: (torch.int8, np.int8), 2: (torch.int16, np.int16)}
 
 
+class ChunkDataError(CheckpointingException, CheckpointDataError):
+    """A chunk that is missing or fails tensorstore's crc32c check: bad data, not a model mismatch."""
+
+
 def array_name(key: str) -> str:
     """Directory of a key's array. Deterministic, so load finds it from the template's key alone."""
     return key.replace("/", ".")
 
 
-def _kvstore(path: Path) -> dict:
-    return {"driver": "file", "path": str(path)}
+def _ts_spec(path: Path, **extra) -> dict:
+    return {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)}, **extra}
 
 
 def _chunk_key(index) -> str:
@@ -137,8 +143,8 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
         for rank_specs in _together("checking shards", local_specs):
             for key, spec in rank_specs.items():
                 if merged.setdefault(key, spec) != spec:
-                    raise CheckpointingException(f"{key}: (shape, chunk, dtype) differ across ranks, "
-                                                 f"{merged[key]} vs {spec}: only regular sharding works")
+                    raise CheckpointingException(f"{key}: ranks disagree on (shape, chunk, dtype), "
+                                                 f"{merged[key]} vs {spec}; zarr needs a regular chunk grid")
                 name = array_name(key)
                 if names.setdefault(name, key) != key or name in _RESERVED or name.startswith("."):
                     raise CheckpointingException(f"key {key!r} cannot be stored as array dir {name!r}")
@@ -156,7 +162,7 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
                                    {"name": "crc32c"}],
                         "attributes": {KEY_ATTR: key}}
             # delete_existing: a retried save into the same dir must not keep stale chunks of an old array.
-            spec = {"driver": "zarr3", "kvstore": _kvstore(ckpt / array_name(key)), "metadata": metadata}
+            spec = _ts_spec(ckpt / array_name(key), metadata=metadata)
             futures.append(ts.open(spec, create=True, delete_existing=True))
             self._written.append(f"{array_name(key)}/zarr.json")
         for f in futures:
@@ -170,19 +176,14 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
             if t.key not in arrays:
                 # Without store_data_equal_to_fill_value an all-zero chunk would not be written at all,
                 # and a missing chunk is indistinguishable from a lost one.
-                arrays[t.key] = ts.open({"driver": "zarr3", "kvstore": _kvstore(ckpt / array_name(t.key)),
-                                         "store_data_equal_to_fill_value": True}, open=True).result()
+                spec = _ts_spec(ckpt / array_name(t.key), store_data_equal_to_fill_value=True)
+                arrays[t.key] = ts.open(spec, open=True).result()
             _, chunk, _ = _spec(t)
             pending.append(arrays[t.key][t.global_slice()].write(_to_numpy(t.data)))
             index = [o // c for o, c in zip(t.global_offset, chunk, strict=True)]
             self._written.append(f"{array_name(t.key)}/{_chunk_key(index)}")
         for f in pending:
             f.result()
-
-
-def _read_meta(ckpt: Path, name: str) -> dict:
-    with open(ckpt / name / "zarr.json") as f:
-        return json.load(f)
 
 
 class ZarrLoadShardedStrategy(LoadShardedStrategy):
@@ -204,8 +205,8 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
             name = array_name(t.key)
             if name not in arrays:
                 try:
-                    meta = _read_meta(ckpt, name)
-                    arr = ts.open({"driver": "zarr3", "kvstore": _kvstore(ckpt / name)}, open=True).result()
+                    meta = json.loads((ckpt / name / "zarr.json").read_text())
+                    arr = ts.open(_ts_spec(ckpt / name), open=True).result()
                 except (OSError, ValueError) as e:
                     raise CheckpointingException(f"zarr array {name!r} (key {t.key!r}): {e}") from e
                 if meta.get("attributes", {}).get(KEY_ATTR) != t.key:
@@ -220,29 +221,33 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
             full = [1] * t.prepend_axis_num + list(t.local_shape)
             region = [(o, min(o + n, s)) for o, n, s in zip(t.global_offset, full, stored, strict=True)]
             if any(b <= a for a, b in region):
-                reads[id(t)] = (t, region, [], None)
+                reads[id(t)] = ([], None)
                 continue
             chunks = _chunk_keys(region, meta["chunk_grid"]["configuration"]["chunk_shape"])
             # tensorstore reads an absent chunk as the fill value; our saves write every chunk, so a
             # missing file means a lost one.
             missing = [c for c in chunks if not (ckpt / name / c).is_file()]
             if missing:
-                raise CheckpointingException(f"zarr array {name!r} (key {t.key!r}) lacks chunk(s) {missing}")
-            reads[id(t)] = (t, region, chunks, arr[tuple(slice(a, b) for a, b in region)].read())
+                raise ChunkDataError(f"zarr array {name!r} (key {t.key!r}) lacks chunk(s) {missing}")
+            reads[id(t)] = (chunks, arr[tuple(slice(a, b) for a, b in region)].read())
 
         def finish(t: ShardedTensor) -> torch.Tensor:
-            _, region, chunks, future = reads[id(t)]
-            out = torch.zeros([1] * t.prepend_axis_num + list(t.local_shape), dtype=t.dtype)
-            if future is not None:
-                try:
-                    data = future.result()
-                except (ValueError, RuntimeError, OSError) as e:
-                    raise CheckpointingException(
-                        f"zarr array {array_name(t.key)!r} (key {t.key!r}), chunk(s) {chunks}: corrupt or "
-                        f"unreadable (crc32c checksum verification by tensorstore failed?): {e}") from e
-                src = _from_numpy(data, getattr(torch, arrays[array_name(t.key)][0]["data_type"]))
-                out[tuple(slice(0, b - a) for a, b in region)] = src.to(t.dtype)
-            return out.reshape(t.local_shape)
+            chunks, future = reads[id(t)]
+            full = [1] * t.prepend_axis_num + list(t.local_shape)
+            if future is None:
+                return torch.zeros(t.local_shape, dtype=t.dtype)
+            try:
+                data = future.result()
+            except (ValueError, RuntimeError, OSError) as e:
+                raise ChunkDataError(
+                    f"zarr array {array_name(t.key)!r} (key {t.key!r}), chunk(s) {chunks}: corrupt or "
+                    f"unreadable (crc32c checksum verification by tensorstore failed?): {e}") from e
+            src = _from_numpy(data, getattr(torch, arrays[array_name(t.key)][0]["data_type"])).to(t.dtype)
+            if list(src.shape) != full:  # only with allow_shape_mismatch: zero-pad what is not stored
+                out = torch.zeros(full, dtype=t.dtype)
+                out[tuple(slice(0, n) for n in src.shape)] = src
+                src = out
+            return src.reshape(t.local_shape)
 
         return dict_list_map_inplace(finish, sharded_state_dict)
 
@@ -251,7 +256,7 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         for d in sorted(ckpt.iterdir()):
             if not (d / "zarr.json").is_file():
                 continue  # common.pt, metadata.json, sharded-object dirs
-            meta = _read_meta(ckpt, d.name)
+            meta = json.loads((d / "zarr.json").read_text())
             key = meta.get("attributes", {}).get(KEY_ATTR)
             if meta.get("node_type") != "array" or key is None:
                 continue

@@ -23,11 +23,11 @@ import os
 import sys
 
 from megatron_resil.checkpointing import layout
+from megatron_resil.checkpointing.global_tier import GlobalTier
 from megatron_resil.checkpointing.loader import newest_first
 from megatron_resil.checkpointing.local_tier import QUARANTINE_DIR, describe, inspect_copies
 from megatron_resil.checkpointing.manifest import has_manifest, read_manifest
 from megatron_resil.checkpointing.tier import TierCandidate
-from megatron_resil.checkpointing.torch_dist_tier import TorchDistTier
 from megatron_resil.checkpointing.tracker import read_tracker
 
 
@@ -119,11 +119,11 @@ def _list_global(root: str) -> None:
 
 def _tiers(root: str, local: str | None, non_persistent: str | None) -> list:
     """In pretrain.py's order of trust at equal iterations."""
-    tiers: list = [TorchDistTier(root)]
+    tiers: list = [GlobalTier(root)]
     if local:
         tiers.insert(0, OfflineLocalTier(local))
     if non_persistent:
-        tiers.append(TorchDistTier(non_persistent, name="non-persistent"))
+        tiers.append(GlobalTier(non_persistent, name="non-persistent"))
     return tiers
 
 

@@ -1,4 +1,5 @@
-"""A global checkpoint tier in torch_dist format through megatron-core's dist_checkpointing.
+"""A global checkpoint tier (a directory on shared storage) through megatron-core's dist_checkpointing,
+in torch_dist format or, with --ckpt-format zarr, in zarr v3 through our tensorstore strategy.
 
 Save: write into a staging directory, fsync everything, add the manifest, rename into place,
 then replace the tracker. Load order: the checkpoint the tracker names, then every other
@@ -7,6 +8,7 @@ published one, newest first. Leftovers of interrupted saves are cleaned at start
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -21,7 +23,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
 )
 
 from megatron_resil import events, parallel
-from megatron_resil.checkpointing import dcp_writer, layout
+from megatron_resil.checkpointing import dcp_writer, layout, zarr_strategy
 from megatron_resil.checkpointing.atomic import fsync_dir, fsync_tree, publish_directory
 from megatron_resil.checkpointing.manifest import (
     checksum_files,
@@ -32,7 +34,9 @@ from megatron_resil.checkpointing.manifest import (
 from megatron_resil.checkpointing.tier import AsyncSaveJob, CheckpointTier, TierCandidate
 from megatron_resil.checkpointing.tracker import read_tracker, write_tracker
 
-FORMAT = "torch_dist"
+FORMATS = ("torch_dist", "zarr")
+# megatron-core picks the strategy that reads a checkpoint from its metadata.json: zarr needs ours.
+zarr_strategy.register()
 
 
 class CheckpointSaveError(RuntimeError):
@@ -46,12 +50,14 @@ def _make_staging(root: str, iteration: int) -> str:
     return staging
 
 
-class TorchDistTier(CheckpointTier):
-    supports_async_save = True
+class GlobalTier(CheckpointTier):
     def __init__(self, root: str, name: str = "persistent", write_tracker: bool = True,
-                 verify_checksums: bool = True) -> None:
+                 verify_checksums: bool = True, ckpt_format: str = "torch_dist") -> None:
+        assert ckpt_format in FORMATS, ckpt_format
         self.root = root
         self.name = name
+        self.ckpt_format = ckpt_format  # what saves write; loads read either, as recorded in each checkpoint
+        self.supports_async_save = ckpt_format == "torch_dist"  # as in Megatron
         self.write_tracker = write_tracker
         self.verify_checksums = verify_checksums
         self.on_staged = None  # called with the iteration after the shards are written, before publish
@@ -84,11 +90,14 @@ class TorchDistTier(CheckpointTier):
         path = candidate.path
         if not os.path.isdir(path):
             return "directory missing"
-        if not os.path.isfile(os.path.join(path, ".metadata")):
-            return "incomplete (no .metadata)"
+        # What marks a checkpoint complete when it has no manifest: DCP's .metadata, written last
+        # (torch_dist), or megatron-core's metadata.json, written after the strategy returned (zarr).
+        marker = ".metadata" if _sharded_backend(path) in (None, "torch_dist") else "metadata.json"
+        if not os.path.isfile(os.path.join(path, marker)):
+            return f"incomplete (no {marker})"
         if not has_manifest(path):
             events.warn(f"{path} has no manifest: saved by Megatron-LM or an older megatron-resil; "
-                        "only the presence of .metadata was checked")
+                        f"only the presence of {marker} was checked")
             return None
         is_release = os.path.basename(path) == layout.RELEASE_DIR
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -118,10 +127,15 @@ class TorchDistTier(CheckpointTier):
     # ---- save side -------------------------------------------------------------------------
     def save(self, sharded_state: dict, iteration: int) -> str:
         staging = self._begin(iteration)
-        with dcp_writer.without_torch_record_crc():
-            dist_checkpointing.save(sharded_state, staging, sharded_strategy=self._strategy())
-        checksums = gather_checksums(checksum_own_shards(staging, parallel.rank()))
-        return self.finish(staging, iteration, checksums)
+        if self.ckpt_format == "zarr":
+            writer = zarr_strategy.ZarrSaveShardedStrategy()
+            dist_checkpointing.save(sharded_state, staging, sharded_strategy=self._parallel(writer))
+            own = checksum_files(staging, writer.files_written_by_me())
+        else:
+            with dcp_writer.without_torch_record_crc():
+                dist_checkpointing.save(sharded_state, staging, sharded_strategy=self._strategy())
+            own = checksum_own_shards(staging, parallel.rank())
+        return self.finish(staging, iteration, gather_checksums(own))
 
     def save_async(self, sharded_state: dict, iteration: int) -> AsyncSaveJob:
         """Plan and stage collectively; the worker writes this rank's shards and checksums them;
@@ -159,9 +173,12 @@ class TorchDistTier(CheckpointTier):
         return self._on_rank0(lambda: _make_staging(self.root, iteration),
                               f"create a staging directory in {self.root}")
 
+    @classmethod
+    def _strategy(cls):
+        return cls._parallel(get_default_save_sharded_strategy("torch_dist"))
+
     @staticmethod
-    def _strategy():
-        strategy = get_default_save_sharded_strategy(FORMAT)
+    def _parallel(strategy):
         if dist.is_initialized() and dist.get_world_size() > 1:
             # Spread replicated tensors over data-parallel ranks, as Megatron does by default.
             strategy = FullyParallelSaveStrategyWrapper(
@@ -170,7 +187,7 @@ class TorchDistTier(CheckpointTier):
 
     def _publish(self, staging: str, final: str, iteration: int, checksums: dict) -> None:
         fsync_tree(staging)  # common.pt and metadata.json are written without fsync
-        write_manifest(staging, iteration, FORMAT, checksums)
+        write_manifest(staging, iteration, self.ckpt_format, checksums)
         fsync_dir(staging)
         publish_directory(staging, final, layout.new_displaced_dir(self.root, iteration))
         if self.write_tracker:
@@ -261,6 +278,15 @@ def _merged(per_rank: list[dict]) -> dict:
     for part in per_rank:
         merged.update(part)
     return merged
+
+
+def _sharded_backend(path: str) -> str | None:
+    """The format megatron-core recorded in a checkpoint's metadata.json (None if unreadable)."""
+    try:
+        with open(os.path.join(path, "metadata.json")) as f:
+            return json.load(f).get("sharded_backend")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _slug(reason: str) -> str:
