@@ -19,6 +19,7 @@ setup(
         "google-crc32c>=1.5",  # manifest checksums, ~3x faster than zlib's CRC32
         "numpy",
         "packaging>=24.2",
+        "matplotlib>=3.7",  # tools/timeline.py draws the run timeline
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]"],

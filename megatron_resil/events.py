@@ -12,8 +12,6 @@ import socket
 import sys
 import time
 
-from megatron_resil import parallel
-
 EVENT_LOG_NAME = "events.jsonl"
 _event_log_path: str | None = None
 
@@ -24,8 +22,17 @@ def configure(save_dir: str | None) -> None:
     _event_log_path = os.path.join(save_dir, EVENT_LOG_NAME) if save_dir else None
 
 
+def _is_rank0() -> bool:
+    # Imported here, not at the top: the tools that read the event log (requeue, timeline) import this
+    # module for its names and must start fast; parallel pulls in torch and megatron-core (~20 s on a
+    # loaded machine, which a launch script pays after every job step).
+    from megatron_resil import parallel
+
+    return parallel.is_rank0()
+
+
 def print_rank_0(message: str) -> None:
-    if parallel.is_rank0():
+    if _is_rank0():
         print(message, flush=True)
 
 
@@ -37,7 +44,7 @@ def decision(event: str, message: str, **fields) -> None:
 
 def record(event: str, **fields) -> None:
     """Append one event to the JSON event log (rank 0; a no-op without --save)."""
-    if _event_log_path is None or not parallel.is_rank0():
+    if _event_log_path is None or not _is_rank0():
         return
     entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "unix": round(time.time(), 3),
              "event": event, "host": socket.gethostname(), "pid": os.getpid(), **fields}
@@ -52,5 +59,5 @@ def record(event: str, **fields) -> None:
 
 
 def warn(message: str) -> None:
-    if parallel.is_rank0():
+    if _is_rank0():
         print(f"WARNING: {message}", file=sys.stderr, flush=True)

@@ -7,7 +7,13 @@ import math
 import time
 from datetime import datetime
 
-from megatron_resil import parallel
+from megatron_resil import events, parallel
+
+
+def json_safe(value: float) -> float | str:
+    """A float strict JSON readers accept: NaN and Inf become the strings "nan", "inf", "-inf" (not null,
+    so a log still tells a NaN loss from an overflow; json.dumps would write bare NaN, which is not JSON)."""
+    return value if math.isfinite(value) else str(value)
 
 
 class TrainLogger:
@@ -50,6 +56,8 @@ class TrainLogger:
                 f" tokens per second: {tokens_per_s:.1f} |")
         if parallel.is_rank0():
             print(line, flush=True)
+        # The run timeline (tools/timeline.py) plots these against wall time: one short line per interval.
+        events.record("progress", iteration=iteration, loss=json_safe(loss), grad_norm=json_safe(grad_norm))
         self.restart_interval()
 
     def validation(self, iteration: int, loss: float) -> None:

@@ -124,7 +124,7 @@ class CheckpointManager:
                     "loaded (reasons above); refusing to start from scratch over them: fix or move them, "
                     "or point --load at another directory")
             events.decision("load", f"no checkpoint under --load {self.config.load}; "
-                            "starting from random initialisation at iteration 0")
+                            "starting from random initialisation at iteration 0", verdict="none", iteration=0)
             return TrainProgress()
         progress = state.restore(result.state, self.model, self.optimizer, self.scheduler,
                                  load_optimizer=self._load_optim, load_rng=self._load_rng,
