@@ -6,3 +6,6 @@ NO_CHECKPOINT = 3  # --exit-on-missing-checkpoint and nothing loadable under --l
 SAVE_FAILED = 4  # a checkpoint could not be written (I/O error); the previous one is intact
 SIGNAL_SAVED = 5  # --exit-signal arrived; a checkpoint was saved; requeue to continue
 SIGNAL_DEADLINE = 6  # --exit-signal arrived but the save missed --exit-signal-grace-secs; previous one intact
+UNRECOVERABLE = 8  # a fault reproduced after bounded retries and fallbacks; do not requeue (see README)
+RERUN_RESUME = 16  # megatron-core's rerun state machine: resume from the checkpoint to disambiguate
+RERUN_FAILED_VALIDATION = 17  # megatron-core's rerun state machine: the result failed validation

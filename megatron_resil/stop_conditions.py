@@ -19,6 +19,10 @@ from megatron_resil.signal_handler import ExitSignalHandler
 class Stop:
     reason: str
     exit_code: int
+    # Whether the launch scripts should requeue the job: yes after a preemption signal or the time
+    # budget (--exit-duration-in-mins exists to stop before the allocation ends), no after
+    # --exit-interval (a deliberate stop).
+    requeue: bool
 
 
 class StopConditions:
@@ -34,13 +38,14 @@ class StopConditions:
     def check(self, iteration: int) -> Stop | None:
         if self.signals is not None and parallel.any_rank(self.signals.received):
             return Stop(f"{self.signals.signal_name} received (on at least one rank) by iteration "
-                        f"{iteration}", exit_codes.SIGNAL_SAVED)
+                        f"{iteration}", exit_codes.SIGNAL_SAVED, requeue=True)
         if self.exit_interval and iteration % self.exit_interval == 0:
             return Stop(f"--exit-interval {self.exit_interval} reached at iteration {iteration}",
-                        exit_codes.FINISHED)
+                        exit_codes.FINISHED, requeue=False)
         if self.deadline is not None:
             expired = parallel.broadcast_object(time.monotonic() >= self.deadline
                                                 if parallel.is_rank0() else None)
             if expired:
-                return Stop(f"--exit-duration-in-mins elapsed at iteration {iteration}", exit_codes.FINISHED)
+                return Stop(f"--exit-duration-in-mins elapsed at iteration {iteration}", exit_codes.FINISHED,
+                            requeue=True)
         return None

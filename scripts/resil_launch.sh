@@ -1,0 +1,57 @@
+# shellcheck shell=bash
+# The launch logic shared by the Slurm script (pretrain.sbatch) and the local launcher (run_local.sh):
+# check the arguments, run one job step under ft_launcher with the preemption signal forwarded, and
+# decide from the run's event log whether to requeue or stop. Sourced, not run.
+#
+# Inputs (environment): RESIL_PYTHON (python with megatron-resil), RESIL_ROOT (this checkout),
+# NNODES, NPROC_PER_NODE, RDZV_HOST, RDZV_PORT, NODE_RANK_ARGS (extra launcher flags per node),
+# MAX_RESTARTS (in-job restarts by ft_launcher, default 2), FT_LAUNCHER_ARGS (extra ft_launcher flags).
+
+: "${MAX_RESTARTS:=2}"
+: "${RDZV_PORT:=29500}"
+
+resil_log() { echo "[resil-launch] $(date '+%Y-%m-%d %H:%M:%S') $*"; }
+
+# The value of --save in the pretrain.py arguments (the event log lives there), or empty.
+resil_save_dir() {
+  local prev=""
+  for arg in "$@"; do
+    if [ "$prev" = "--save" ]; then echo "$arg"; return; fi
+    case "$arg" in --save=*) echo "${arg#--save=}"; return ;; esac
+    prev="$arg"
+  done
+}
+
+# Bad arguments end here with exit code 2, before any allocation time or restart is spent on them.
+resil_check_args() {
+  WORLD_SIZE=$((NNODES * NPROC_PER_NODE)) "$RESIL_PYTHON" "$RESIL_ROOT/pretrain.py" --check-args-only "$@"
+}
+
+# The ft_launcher command of one node (without the pretrain.py arguments).
+resil_launcher_cmd() {
+  RESIL_LAUNCHER=("$RESIL_PYTHON" -m nvidia_resiliency_ext.fault_tolerance.launcher
+    --rdzv-backend c10d --rdzv-endpoint "$RDZV_HOST:$RDZV_PORT"
+    --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" --max-restarts "$MAX_RESTARTS"
+    --ft-enable-nic-monitor false ${FT_LAUNCHER_ARGS:-})
+}
+
+# Run one job step in the background ("$@": the full command) and wait for it, forwarding SIGTERM
+# (Slurm's --signal=B:SIGTERM@grace, or the local launcher's preemption) to it; its pretrain.py
+# ranks then save and exit 5. Sets RESIL_STEP_CODE.
+resil_run_step() {
+  "$@" &
+  local child=$!
+  trap 'resil_log "SIGTERM: forwarding to the job step (pid '"$child"')"; kill -TERM '"$child"' 2>/dev/null' TERM
+  # `wait` returns early when a trapped signal arrives: wait again until the step has really ended.
+  while true; do
+    wait "$child"
+    RESIL_STEP_CODE=$?
+    kill -0 "$child" 2>/dev/null || break
+  done
+  trap - TERM
+}
+
+# "requeue: ..." or "stop: ..." for the step that started at unix time $1 and ended with code $2.
+resil_decide() {
+  "$RESIL_PYTHON" -m megatron_resil.tools.requeue "$RESIL_SAVE_DIR" --since "$1" --launcher-exit-code "$2"
+}

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The Slurm script's logic (scripts/pretrain.sbatch) on one machine, without Slurm: check the
+# arguments, run the job step under ft_launcher on loopback, and after it ends requeue (run it again,
+# resuming from the tracker) or stop, as the run's exit record says. SIGTERM to this script acts as
+# Slurm's `--signal=B:SIGTERM@<grace>` does for the batch script: it is forwarded to the job step, whose
+# ranks save and exit 5 (with --exit-signal-handler), and the job is requeued.
+#
+# Usage: [NPROC_PER_NODE=2] [MAX_REQUEUES=3] [MAX_RESTARTS=2] scripts/run_local.sh <pretrain.py flags>
+# (--save DIR is required: the requeue decision reads DIR/events.jsonl). Exit code: the run's own
+# (0 finished; see the README's table), or 1 when MAX_REQUEUES ran out.
+set -uo pipefail
+RESIL_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [ -z "${RESIL_PYTHON:-}" ]; then
+  RESIL_PYTHON="$RESIL_ROOT/.venv/bin/python"
+  [ -x "$RESIL_PYTHON" ] || RESIL_PYTHON=python3
+fi
+# shellcheck source=scripts/resil_launch.sh
+source "$RESIL_ROOT/scripts/resil_launch.sh"
+
+NNODES=1
+NPROC_PER_NODE="${NPROC_PER_NODE:-2}"
+MAX_REQUEUES="${MAX_REQUEUES:-3}"
+RDZV_HOST=127.0.0.1
+export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-lo}" MASTER_ADDR=127.0.0.1
+FT_LAUNCHER_ARGS="--local-addr 127.0.0.1 --rdzv-id local ${FT_LAUNCHER_ARGS:-}"
+
+RESIL_SAVE_DIR="$(resil_save_dir "$@")"
+if [ -z "$RESIL_SAVE_DIR" ]; then
+  echo "run_local.sh: pass --save DIR: the requeue decision reads the run's DIR/events.jsonl" >&2
+  exit 2
+fi
+resil_check_args "$@" >/dev/null || exit 2
+
+for ((requeue = 0; ; requeue++)); do
+  # A fresh port per attempt: the previous step's store may still hold the old one for a while.
+  RDZV_PORT="$("$RESIL_PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+  resil_launcher_cmd
+  since="$(date +%s.%N)"
+  resil_log "attempt $((requeue + 1)) (requeue $requeue of at most $MAX_REQUEUES): $NPROC_PER_NODE ranks, rendezvous on $RDZV_HOST:$RDZV_PORT, in-job restarts up to $MAX_RESTARTS"
+  resil_run_step "${RESIL_LAUNCHER[@]}" "$RESIL_ROOT/pretrain.py" "$@"
+  decision="$(resil_decide "$since" "$RESIL_STEP_CODE")"
+  resil_log "job step ended (launcher exit code $RESIL_STEP_CODE): $decision"
+  read -r verb code _ <<< "$decision"
+  code="${code%:}"
+  if [ "$verb" != requeue ]; then
+    exit "$code"
+  fi
+  if ((requeue >= MAX_REQUEUES)); then
+    resil_log "not requeueing: MAX_REQUEUES=$MAX_REQUEUES reached; stopping with exit code 1"
+    exit 1
+  fi
+done
