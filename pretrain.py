@@ -1,14 +1,28 @@
 """Pretrain a megatron-core GPT with crash-safe checkpoints. Launch with torchrun (see README)."""
 
+import os
 import sys
 
-from megatron_resil.arguments import parse_args
+if "--inprocess-restart" in sys.argv[1:]:
+    # NVRx polls its store once a second, and each poll that times out makes torch print two C++
+    # warnings per rank. torch reads this level once, at import (parse_args imports it); Megatron only
+    # advises setting it. A level the user set is kept.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "error")
+
+from megatron_resil.arguments import parse_args  # noqa: E402 - after the log level above
 
 
 def main() -> int:
     args = parse_args()
+    if args.check_args_only:
+        print("pretrain.py: arguments are valid")
+        return 0
     from megatron_resil.training import pretrain  # heavy imports only after the arguments are good
 
+    if args.inprocess_restart:  # NVRx's inprocess is imported only then
+        from megatron_resil import inprocess_restart
+
+        return inprocess_restart.run(pretrain, args)
     return pretrain(args)
 
 

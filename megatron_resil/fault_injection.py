@@ -26,6 +26,7 @@ class FaultInjector:
         self.here = self.kind is not None and parallel.rank() in args.inject_fault_ranks
         self.marker_dir = os.path.join(args.save, ".injected_faults") if args.save else None
         self._struck = False
+        self._slowing = False
 
     def _strike(self, what: str) -> bool:
         """True if this rank should inject now; records it first so a restart does not repeat it."""
@@ -49,7 +50,10 @@ class FaultInjector:
         if not self.here:
             return
         if self.kind == "slow" and iteration >= self.iteration:
-            if self._struck or self._strike(f"from iteration {iteration}: {self.slow_secs:g}s per iteration"):
+            # Slow from the first strike on; a restarted job that already struck stays fast.
+            if not self._struck:
+                self._slowing = self._strike(f"from iteration {iteration}: {self.slow_secs:g}s per iteration")
+            if self._slowing:
                 time.sleep(self.slow_secs)
             return
         if iteration != self.iteration or self.kind not in ("kill", "exception", "sigterm", "hang"):
@@ -71,6 +75,9 @@ class FaultInjector:
         if self.here and self.kind == "nan-loss" and iteration == self.iteration and \
                 self._strike(f"into the loss of iteration {iteration}"):
             return loss * float("nan")
+        if self.here and self.kind == "spiky-loss" and iteration == self.iteration and \
+                self._strike(f"into the loss of iteration {iteration}"):
+            return loss * 1000.0
         return loss
 
     def on_staged(self, iteration: int) -> None:

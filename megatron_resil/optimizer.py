@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,9 @@ class Optimizer:
             lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
             weight_decay=args.weight_decay)
         self.clip_grad = args.clip_grad
+        # Called first thing in step(), before its first collective: where a rank's own work of the
+        # iteration ends for the straggler detector (straggler.py). None: nothing to call.
+        self.before_step: Callable[[], None] | None = None
 
     @property
     def param_groups(self) -> list[dict]:
@@ -51,6 +55,8 @@ class Optimizer:
 
     def step(self) -> float:
         """Average gradients over data-parallel ranks, clip, update. Returns the global grad norm."""
+        if self.before_step is not None:
+            self.before_step()
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.model_params]
         dp_group = parallel_state.get_data_parallel_group()
         if dist.get_world_size(dp_group) > 1:

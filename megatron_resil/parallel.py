@@ -3,14 +3,35 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import gc
 import os
 import random
+from collections.abc import Iterator
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
+
+# The store torch.distributed starts from during one in-process restart attempt (see
+# inprocess_restart.py), None otherwise. A second attempt cannot rendezvous through the launcher's
+# environment again: init_process_group would find the first attempt's keys in the launcher's store.
+# A module variable set around the call, not a parameter: `training.pretrain(args)` is the unit that
+# restarts, and neither it nor its callers need to know that an attempt is one of several.
+_attempt_store: dist.Store | None = None
+
+
+@contextlib.contextmanager
+def attempt_store(store: dist.Store) -> Iterator[None]:
+    """Inside this block, `initialize` starts torch.distributed from `store` (a fresh namespace)."""
+    global _attempt_store
+    previous, _attempt_store = _attempt_store, store
+    try:
+        yield
+    finally:
+        _attempt_store = previous
 
 
 def initialize(args: argparse.Namespace) -> None:
@@ -19,7 +40,10 @@ def initialize(args: argparse.Namespace) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
-        if "RANK" in os.environ:  # launched by torchrun, ft_launcher or srun
+        if _attempt_store is not None:
+            dist.init_process_group(backend=args.distributed_backend, timeout=timeout, store=_attempt_store,
+                                    rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+        elif "RANK" in os.environ:  # launched by torchrun, ft_launcher or srun
             dist.init_process_group(backend=args.distributed_backend, timeout=timeout)
         else:  # `python pretrain.py ...`: one process, no launcher needed
             dist.init_process_group(backend=args.distributed_backend, timeout=timeout,
@@ -35,6 +59,17 @@ def shutdown() -> None:
     if dist.is_initialized():
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+def release_process_groups() -> None:
+    """Drop every process group this process holds, in whatever state (an attempt that failed): first
+    megatron-core's references, then torch.distributed's, then the cycles. On gloo this is what frees a
+    peer blocked in a collective with this rank: gloo has no abort (`abort()` and `shutdown()` leave the
+    peer waiting), only a group that is no longer referenced closes its connections."""
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
 
 
 def set_seeds(seed: int) -> None:
@@ -70,7 +105,9 @@ def set_rng_state(state: dict) -> None:
 
 
 def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    """This process's global rank; before (or between) process groups, the launcher's RANK, so rank-0-only
+    output stays on rank 0 then too."""
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
 def is_rank0() -> bool:

@@ -14,6 +14,10 @@ from dataclasses import dataclass
 from megatron_resil import exit_codes, parallel
 from megatron_resil.signal_handler import ExitSignalHandler
 
+# The time budget counts from process start, as Megatron's does: an in-process restart does not get a
+# fresh budget (the allocation's end does not move).
+_PROCESS_START = time.monotonic()
+
 
 @dataclass(frozen=True)
 class Stop:
@@ -28,7 +32,7 @@ class Stop:
 class StopConditions:
     def __init__(self, args: argparse.Namespace) -> None:
         self.exit_interval = args.exit_interval
-        self.deadline = (time.monotonic() + 60.0 * args.exit_duration_in_mins
+        self.deadline = (_PROCESS_START + 60.0 * args.exit_duration_in_mins
                          if args.exit_duration_in_mins else None)
         self.signals = None
         if args.exit_signal_handler:

@@ -9,35 +9,42 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_resil import cpu_compat, events, exit_codes, parallel
+from megatron_resil import cpu_compat, events, exit_codes, parallel, rerun
 from megatron_resil.checkpointing.global_tier import CheckpointSaveError
 from megatron_resil.checkpointing.manager import CheckpointConfig, CheckpointManager
 from megatron_resil.data import build_datasets, get_microbatch
 from megatron_resil.fault_injection import FaultInjector
+from megatron_resil.fault_tolerance import FaultTolerance, report_restart
 from megatron_resil.model import build_model
 from megatron_resil.optimizer import Optimizer, build_scheduler
 from megatron_resil.progress import TrainProgress
 from megatron_resil.stop_conditions import StopConditions
+from megatron_resil.straggler import StragglerDetection
 from megatron_resil.tokenizer import build_tokenizer
 from megatron_resil.train_log import TrainLogger
 
 
 def pretrain(args: argparse.Namespace) -> int:
+    ft = FaultTolerance.from_args(args)  # first: a hang anywhere in set-up is caught from here on
     cpu_compat.apply_if_needed()
     parallel.initialize(args)
     events.configure(args.save)
     events.record("start", world_size=args.world_size, train_iters=args.train_iters, load=args.load)
+    report_restart()
+    ft.log_setup()
     tokenizer = build_tokenizer(args)
     model = build_model(args, tokenizer.vocab_size)
     optimizer = Optimizer(model, args)
     scheduler = build_scheduler(optimizer, args)
     faults = FaultInjector(args)
+    rerun.initialize(rerun.RerunConfig.from_args(args))  # before the load: a checkpoint may hold its state
     checkpoints = CheckpointManager(CheckpointConfig.from_args(args), model, optimizer, scheduler, args,
                                     on_staged=faults.on_staged)
     progress = checkpoints.load()
     train_ds, valid_ds = build_datasets(args, tokenizer)
+    ft.setup_done(resumed=progress.iteration > 0)
     try:
-        code = train(args, model, optimizer, scheduler, checkpoints, progress, train_ds, valid_ds, faults)
+        code = train(args, model, optimizer, scheduler, checkpoints, progress, train_ds, valid_ds, faults, ft)
     except CheckpointSaveError as err:
         events.decision("exit", f"{err}; the previous checkpoint and tracker are intact; "
                         f"exiting with code {exit_codes.SAVE_FAILED}", exit_code=exit_codes.SAVE_FAILED)
@@ -47,12 +54,18 @@ def pretrain(args: argparse.Namespace) -> int:
 
 
 def train(args, model, optimizer, scheduler, checkpoints, progress: TrainProgress,
-          train_ds, valid_ds, faults: FaultInjector) -> int:
+          train_ds, valid_ds, faults: FaultInjector, ft: FaultTolerance) -> int:
     logger, stops, stop = TrainLogger(args), StopConditions(args), None
+    stragglers = StragglerDetection.from_args(args, optimizer)  # times each rank up to optimizer.step()
     events.print_rank_0(f"training from iteration {progress.iteration} to {args.train_iters}")
     while progress.iteration < args.train_iters:
-        faults.before_iteration(progress.iteration + 1)
-        loss, grad_norm = train_step(args, model, optimizer, scheduler, train_ds, progress, faults)
+        with ft.step():  # an injected hang or slowness counts as part of the iteration
+            stragglers.iteration_started()  # this rank's own work starts here, injected slowness included
+            faults.before_iteration(progress.iteration + 1)
+            loss, grad_norm, stop = train_step(args, model, optimizer, scheduler, train_ds, progress, faults,
+                                               nan_checks=not checkpoints.canary_watching)
+        if stop is not None:  # the rerun state machine ends the job; this step was not taken
+            break
         progress.iteration += 1
         progress.consumed_train_samples += args.global_batch_size
         logger.training_step(progress.iteration, progress.consumed_train_samples,
@@ -63,14 +76,16 @@ def train(args, model, optimizer, scheduler, checkpoints, progress: TrainProgres
         if valid_ds is not None and args.eval_iters and progress.iteration % args.eval_interval == 0:
             logger.validation(progress.iteration, evaluate(args, model, valid_ds, progress))
             logger.restart_interval()
-        if checkpoints.maybe_save(progress):
+        if ft.checkpointing(checkpoints.maybe_save, progress):
             logger.restart_interval()
-        stop = stops.check(progress.iteration)
+        stop = stragglers.report(progress.iteration) or stops.check(progress.iteration)
         if stop is not None:
             events.decision("exit", f"{stop.reason}; saving and exiting with code {stop.exit_code}",
-                            iteration=progress.iteration, exit_code=stop.exit_code)
+                            iteration=progress.iteration, exit_code=stop.exit_code, requeue=stop.requeue)
             break
-    checkpoints.save(progress)
+    ft.checkpointing(rerun.final_save(checkpoints, stop), progress, final=True)
+    stragglers.close()
+    ft.close()
     logger.close()
     if stop is None:
         events.record("finished", iteration=progress.iteration, exit_code=exit_codes.FINISHED)
@@ -98,19 +113,28 @@ def _mean_over_data_parallel(value: torch.Tensor) -> float:
 
 
 def train_step(args, model, optimizer, scheduler, dataset, progress: TrainProgress,
-               faults: FaultInjector | None = None) -> tuple[float, float]:
+               faults: FaultInjector | None = None,
+               nan_checks: bool = True) -> tuple[float, float, rerun.RerunStop | None]:
+    """(loss, grad norm, None), or (nan, nan, stop) when the rerun state machine ends the job before the
+    optimizer step."""
     model.train()
-    optimizer.zero_grad()
-    total = torch.zeros((), dtype=torch.float32)
-    for microbatch in range(args.num_microbatches):
-        loss = _batch_loss(args, model, dataset, progress.consumed_train_samples, microbatch)
-        if faults is not None:
-            loss = faults.poison_loss(loss, progress.iteration + 1)
-        (loss / args.num_microbatches).backward()
-        total += loss.detach().cpu()
+    step = rerun.StepValidation(progress.iteration + 1, nan_checks=nan_checks)
+    while step.runs():  # a second pass replays the step: same batches (consumed samples), same RNG
+        optimizer.zero_grad()
+        total = torch.zeros((), dtype=torch.float32)
+        for microbatch in range(args.num_microbatches):
+            loss = _batch_loss(args, model, dataset, progress.consumed_train_samples, microbatch)
+            if faults is not None:
+                loss = faults.poison_loss(loss, progress.iteration + 1)
+            step.check_loss(loss)
+            (loss / args.num_microbatches).backward()
+            total += loss.detach().cpu()
+        step.check_grads(optimizer.model_params)
+    if (stop := step.verdict()) is not None:
+        return float("nan"), float("nan"), stop
     grad_norm = optimizer.step()
     scheduler.step(increment=args.global_batch_size)
-    return _mean_over_data_parallel(total / args.num_microbatches), grad_norm
+    return _mean_over_data_parallel(total / args.num_microbatches), grad_norm, None
 
 
 @torch.no_grad()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -52,6 +53,36 @@ def run_single(args: list[str], timeout: float = 60) -> subprocess.CompletedProc
     """pretrain.py as a plain process (argument errors are caught before torch.distributed starts)."""
     return subprocess.run([sys.executable, PRETRAIN, *args], env=env(), cwd=REPO, timeout=timeout,
                           capture_output=True, text=True)
+
+
+def ft_launcher_cmd(args: list[str], nproc: int = 2, max_restarts: int = 0,
+                    ft_args: tuple[str, ...] = ()) -> list[str]:
+    """NVRx's ft_launcher (`ft_launcher ...` where installed) on loopback: c10d rendezvous (the only
+    backend it supports), --max-restarts always given (its default is 0: no restart at all), and the
+    NIC monitor off (its command-line default, true, overrides a YAML's enable_nic_monitor: false).
+    `ft_args`: the --ft-* options, e.g. ("--ft-rank-section-timeouts", "setup:600,step:180,...")."""
+    with socket.socket() as s:  # a free port for the rendezvous store
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [sys.executable, "-m", "nvidia_resiliency_ext.fault_tolerance.launcher",
+            "--nnodes", "1", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--local-addr", "127.0.0.1",
+            "--max-restarts", str(max_restarts), "--ft-enable-nic-monitor", "false", *ft_args,
+            PRETRAIN, *args]
+
+
+def run_ft(args: list[str], nproc: int = 2, max_restarts: int = 0, ft_args: tuple[str, ...] = (),
+           timeout: float = 240) -> subprocess.CompletedProcess:
+    """ft_launcher to completion; stdout and stderr together in .stdout."""
+    return subprocess.run(ft_launcher_cmd(args, nproc, max_restarts, ft_args), env=env(), cwd=REPO,
+                          timeout=timeout, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def start_ft(args: list[str], log_path: Path, nproc: int = 2, max_restarts: int = 0,
+             ft_args: tuple[str, ...] = ()) -> subprocess.Popen:
+    """ft_launcher in its own session, output to `log_path`; its workers are its direct children."""
+    return subprocess.Popen(ft_launcher_cmd(args, nproc, max_restarts, ft_args), env=env(), cwd=REPO,
+                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def losses(output: str) -> dict[int, tuple[str, str]]:

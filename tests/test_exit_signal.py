@@ -47,24 +47,30 @@ def _assert_only_complete_checkpoints(root) -> int:
     return tracked
 
 
-def test_sigterm_twice_saves_at_the_current_iteration_and_the_run_resumes(tmp_path):
+def test_sigterm_twice_during_evaluation_saves_that_iteration_and_the_loss_curve_continues_exactly(tmp_path):
     root, log = tmp_path / "ckpt", tmp_path / "run1.log"
-    proc = launch.start(_args(root, extra=["--save-interval", "4"]), log_path=log)
-    _wait_for(lambda: (root / "latest_checkpointed_iteration.txt").exists(), what="first checkpoint")
+    # Evaluation after iteration 3 takes a few seconds: the signals land inside it.
+    extra = ["--save-interval", "100", "--log-interval", "1", "--eval-interval", "3", "--eval-iters", "150"]
+    proc = launch.start(_args(root, extra=extra), log_path=log)
+    _wait_for(lambda: "iteration        3/" in log.read_text(), what="iteration 3, then its evaluation")
     _signal_job(proc, times=2)
     out = log.read_text()
     # torchrun, signalled too, reports only its own SignalException: our line carries the code.
     assert "[resil] exit: SIGTERM received" in out and "exiting with code 5" in out
+    assert out.index("validation loss at iteration 3") < out.index("[resil] exit: SIGTERM received"), \
+        "the evaluation the signal interrupted finishes first"
     stopped_at = _assert_only_complete_checkpoints(root)
-    assert f"successfully saved checkpoint from iteration {stopped_at:7d}" in out
+    assert stopped_at == 3, out[-3000:]
     events = [json.loads(line) for line in (root / "events.jsonl").read_text().splitlines()]
     exits = [e for e in events if e["event"] == "exit"]
-    assert [(e["exit_code"], e["iteration"]) for e in exits] == [(5, stopped_at)]
+    assert [(e["exit_code"], e["iteration"]) for e in exits] == [(5, 3)]
 
-    resumed = launch.run(_args(root, iters=stopped_at + 2, extra=["--save-interval", "4"]))
+    resumed = launch.run(_args(root, iters=6, extra=extra))
     assert resumed.returncode == 0, resumed.stdout[-3000:]
-    assert f"at iteration {stopped_at}" in resumed.stdout
-    assert read_tracker(str(root)).iteration == stopped_at + 2
+    assert "at iteration 3" in resumed.stdout
+    reference = launch.run(_args(tmp_path / "reference", iters=6, extra=extra))
+    expected, got = launch.losses(reference.stdout), launch.losses(resumed.stdout)
+    assert [got[i] for i in (4, 5, 6)] == [expected[i] for i in (4, 5, 6)]
 
 
 def test_sigterm_during_a_save_lets_that_save_finish(tmp_path):

@@ -17,15 +17,20 @@ from megatron_resil.arguments import (
     data,
     distributed,
     fault_injection,
+    fault_tolerance,
+    inprocess,
     logging_args,
     model,
+    rerun,
     signals,
+    straggler,
     training,
 )
 from megatron_resil.arguments.errors import ArgumentError
 
 # Order matters only for --help readability; validation order follows dependencies.
-_GROUPS = (model, training, data, distributed, checkpointing, signals, fault_injection, logging_args)
+_GROUPS = (model, training, data, distributed, checkpointing, signals, fault_injection, fault_tolerance,
+           inprocess, logging_args, straggler, rerun)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -44,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for group in _GROUPS:
         group.add_arguments(parser)
+    parser.add_argument("--check-args-only", action="store_true",
+                        help="validate the command line (world size from WORLD_SIZE) and exit 0 without "
+                             "training: the launch scripts run this before spending an allocation")
     return parser
 
 

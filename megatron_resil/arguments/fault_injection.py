@@ -6,7 +6,7 @@ import argparse
 
 from megatron_resil.arguments.errors import ArgumentError
 
-KINDS = ("kill", "exception", "sigterm", "hang", "slow", "nan-loss", "crash-mid-save")
+KINDS = ("kill", "exception", "sigterm", "hang", "slow", "nan-loss", "spiky-loss", "crash-mid-save")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -14,7 +14,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--inject-fault", choices=KINDS, default=None,
                    help="kill: SIGKILL itself; exception: raise; sigterm: signal itself; hang: stop "
                         "making progress; slow: sleep every iteration from then on; nan-loss: NaN loss "
-                        "at that iteration; crash-mid-save: die after writing the shards of the first "
+                        "at that iteration; spiky-loss: that iteration's loss x1000 (once: its rerun sees "
+                        "the true loss); crash-mid-save: die after writing the shards of the first "
                         "save at or after that iteration, before it is published")
     g.add_argument("--inject-fault-iteration", type=int, default=None,
                    help="the iteration at which the fault strikes (before it runs)")

@@ -21,6 +21,10 @@ class LoadCanary:
         self.iterations = iterations
         self._watching: tuple[CheckpointTier, TierCandidate, int] | None = None
 
+    @property
+    def watching(self) -> bool:
+        return self._watching is not None
+
     def arm(self, tier: CheckpointTier, candidate: TierCandidate, loaded_iteration: int) -> None:
         if self.iterations > 0:
             self._watching = (tier, candidate, loaded_iteration)

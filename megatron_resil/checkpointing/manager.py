@@ -147,6 +147,13 @@ class CheckpointManager:
     def _tier_named(name: str, tiers: list[CheckpointTier]) -> CheckpointTier:
         return next(tier for tier in tiers if tier.name == name)
 
+    @property
+    def canary_watching(self) -> bool:
+        """True in the first iterations after a non-persistent load: a NaN there is the canary's to judge
+        (quarantine and reload a persistent checkpoint), not the rerun state machine's, which would save
+        the bad state and exit 16 (the restart loop of Megatron-LM #5281)."""
+        return self.canary.watching
+
     def check_canary(self, progress: TrainProgress, loss: float, grad_norm: float) -> TrainProgress | None:
         """After a resume from a non-persistent checkpoint: a NaN or Inf in its first iterations
         condemns it (its checksums can match data that was written bad). It is quarantined and

@@ -1,6 +1,7 @@
 """What a checkpoint holds, in Megatron's keys: model, optimizer, opt_param_scheduler, rng_state,
-iteration, args (with consumed samples), checkpoint_version. Built as a sharded state dict for
-dist_checkpointing; non-tensor values land in common.pt and load with torch.load(weights_only=True).
+iteration, args (with consumed samples), checkpoint_version, rerun_state_machine (None unless the
+checkpoint was saved for the rerun state machine's exit 16 or 17; see rerun.py). Built as a sharded state
+dict for dist_checkpointing; non-tensor values land in common.pt and load with torch.load(weights_only=True).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import argparse
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-from megatron_resil import parallel
+from megatron_resil import parallel, rerun
 from megatron_resil.progress import TrainProgress
 
 CHECKPOINT_VERSION = 3.0
@@ -47,6 +48,7 @@ def build_sharded_state(model, optimizer, scheduler, progress: TrainProgress, ar
         "model": model_state,
         "opt_param_scheduler": scheduler.state_dict(),
         "num_floating_point_operations_so_far": 0,
+        "rerun_state_machine": rerun.checkpoint_state(),
     }
     if with_optimizer:
         state["optimizer"] = optimizer.sharded_state_dict(model_state)
@@ -60,6 +62,7 @@ def restore(loaded: dict, model, optimizer, scheduler, *, load_optimizer: bool, 
     model.load_state_dict(loaded["model"])
     if finetune:
         return TrainProgress()
+    rerun.restore_state(loaded.get("rerun_state_machine"))
     if load_optimizer:
         optimizer.load_sharded_state_dict(loaded["optimizer"])
         scheduler.load_state_dict(loaded["opt_param_scheduler"])

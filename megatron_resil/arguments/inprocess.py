@@ -1,0 +1,100 @@
+"""In-process restart flags: Megatron-LM's --inprocess-* names and defaults (NVRx's inprocess.Wrapper).
+
+NVRx asserts its timing constraints in the Wrapper's constructor; they are checked here instead, so a bad
+combination ends in one line naming the flags, before any process group starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron_resil.arguments.errors import ArgumentError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("in-process restart (NVRx inprocess.Wrapper)")
+    g.add_argument("--inprocess-restart", action="store_true",
+                   help="an exception (or a soft timeout) on any rank restarts training on every rank inside "
+                        "the same processes: process groups are rebuilt and the newest checkpoint is loaded")
+    # Megatron's default is no limit: a fault that comes back from the newest checkpoint then restarts
+    # forever (Megatron-LM #5281). Ours is bounded; an explicit large value is still allowed.
+    g.add_argument("--inprocess-max-iterations", type=int, default=4,
+                   help="attempts allowed in all, the first one included (NVRx's RetryController); when they "
+                        "are used up the run exits with code 8. Default 4 (Megatron: no limit)")
+    g.add_argument("--inprocess-monitor-thread-interval", type=float, default=1.0,
+                   help="seconds between the monitor thread's checks for a failure on any rank")
+    g.add_argument("--inprocess-monitor-process-interval", type=float, default=1.0,
+                   help="seconds between the monitor process's checks of this rank")
+    g.add_argument("--inprocess-progress-watchdog-interval", type=float, default=1.0,
+                   help="seconds between the automatic progress timestamps of the training thread")
+    g.add_argument("--inprocess-heartbeat-interval", type=float, default=30,
+                   help="seconds between heartbeats used to detect an unresponsive rank")
+    g.add_argument("--inprocess-soft-timeout", type=float, default=60,
+                   help="seconds without progress after which a rank asks every rank to restart")
+    g.add_argument("--inprocess-hard-timeout", type=float, default=90,
+                   help="seconds without progress after which a rank is terminated (needs an outer restart "
+                        "layer: the job cannot continue in-process without it)")
+    g.add_argument("--inprocess-heartbeat-timeout", type=float, default=60,
+                   help="seconds of missing heartbeats after which a rank counts as lost")
+    g.add_argument("--inprocess-barrier-timeout", type=float, default=120,
+                   help="seconds for the wrapper's internal barriers between attempts")
+    g.add_argument("--inprocess-completion-timeout", type=float, default=120,
+                   help="seconds for the barrier at which every rank reports completion")
+    g.add_argument("--inprocess-last-call-wait", type=float, default=1,
+                   help="seconds to collect failures on other ranks before restarting, so concurrent "
+                        "failures are handled by one restart")
+    g.add_argument("--inprocess-termination-grace-time", type=float, default=1,
+                   help="seconds between SIGTERM and SIGKILL when the hard timeout terminates a rank")
+    g.add_argument("--inprocess-granularity", choices=["node", "rank"], default="node",
+                   help="node: a lost rank takes its whole node out of the job; rank: only itself")
+    g.add_argument("--inprocess-active-world-size", type=int, default=None,
+                   help="ranks that train (the rest would be a warm reserve; only the whole world size is "
+                        "supported). Default: the world size")
+    g.add_argument("--inprocess-empty-cuda-cache", action="store_true",
+                   help="release cached GPU memory between attempts (nothing to do on CPU)")
+
+
+_POSITIVE = ("monitor_thread_interval", "monitor_process_interval", "progress_watchdog_interval",
+             "heartbeat_interval", "soft_timeout", "hard_timeout", "heartbeat_timeout", "barrier_timeout",
+             "completion_timeout")
+_NON_NEGATIVE = ("last_call_wait", "termination_grace_time")
+
+
+def _flag(name: str) -> str:
+    return "--inprocess-" + name.replace("_", "-")
+
+
+def validate(args: argparse.Namespace, world_size: int) -> None:
+    if args.inprocess_active_world_size is None:
+        args.inprocess_active_world_size = world_size
+    if not args.inprocess_restart:
+        return
+    value = {name: getattr(args, f"inprocess_{name}") for name in _POSITIVE + _NON_NEGATIVE}
+    for name in _POSITIVE:
+        if value[name] <= 0:
+            raise ArgumentError(f"{_flag(name)} must be positive")
+    for name in _NON_NEGATIVE:
+        if value[name] < 0:
+            raise ArgumentError(f"{_flag(name)} must be >= 0")
+    if args.inprocess_max_iterations is not None and args.inprocess_max_iterations < 1:
+        raise ArgumentError("--inprocess-max-iterations must be >= 1 (the first attempt counts)")
+    # NVRx's Wrapper asserts each of these "a < b" (and fails with a bare ValueError deep in its constructor).
+    for smaller, larger in (("soft_timeout", "hard_timeout"), ("hard_timeout", "barrier_timeout"),
+                            ("heartbeat_interval", "heartbeat_timeout"),
+                            ("heartbeat_timeout", "barrier_timeout"),
+                            ("monitor_process_interval", "heartbeat_timeout"),
+                            ("monitor_process_interval", "soft_timeout"),
+                            ("monitor_thread_interval", "soft_timeout"),
+                            ("progress_watchdog_interval", "soft_timeout")):
+        if not value[smaller] < value[larger]:
+            raise ArgumentError(f"{_flag(smaller)} ({value[smaller]:g}) must be less than {_flag(larger)} "
+                                f"({value[larger]:g}); NVRx needs soft timeout < hard timeout < barrier "
+                                "timeout, heartbeat interval < heartbeat timeout < barrier timeout, and "
+                                "every interval below the soft timeout")
+    if args.inprocess_active_world_size != world_size:
+        raise ArgumentError(f"--inprocess-active-world-size {args.inprocess_active_world_size}: warm reserve "
+                            f"ranks are not supported; leave it at the world size ({world_size})")
+    if args.enable_ft_package:
+        raise ArgumentError("--inprocess-restart with --enable-ft-package is not supported: Megatron nests "
+                            "the in-process restarter inside ft_launcher's, which is not wired here; use one "
+                            "of the two")

@@ -1,0 +1,308 @@
+"""In-process restart (--inprocess-restart): a failure on any rank (an exception, or no progress for the soft
+timeout) restarts training on every rank inside the same processes, through NVRx's inprocess.Wrapper. Each
+attempt is a whole `training.pretrain(args)` from scratch: process groups on a fresh store namespace, the
+model built, the newest checkpoint loaded by the usual loader.
+
+What NVRx leaves to the application is done here: the store each attempt starts torch.distributed from,
+the teardown between attempts (on gloo, which has no abort, the failed attempt's process groups must be
+dropped for a peer blocked in a collective to be released), stopping the failed attempt's checkpoint
+writers, and one `[resil] restart:` line from rank 0 naming the rank that failed and why.
+"""
+
+# No `from __future__ import annotations` here: NVRx hands its CallWrapper to the parameter annotated with
+# that class, comparing annotation objects with issubclass (a string annotation raises TypeError).
+
+import argparse
+import contextlib
+import copy
+import datetime
+import json
+import multiprocessing
+import os
+import socket
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.managers import SyncManager
+
+import torch
+import torch.distributed as dist
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+from megatron_resil import events, exit_codes, parallel
+
+with warnings.catch_warnings():  # NVRx's pynvml deprecation warning is noise on every rank
+    warnings.simplefilter("ignore")
+    from nvidia_resiliency_ext import inprocess
+    from nvidia_resiliency_ext.inprocess.attribution import Interruption
+    from nvidia_resiliency_ext.inprocess.exception import RestartAbort
+    from nvidia_resiliency_ext.inprocess.store import PrefixStore as WrapperPrefixStore
+
+# Megatron's ports: torch.distributed's store on MASTER_PORT + 1, the wrapper's own on MASTER_PORT + 2.
+# MASTER_PORT itself is the launcher's (torchrun's agent hosts a store there).
+_DIST_STORE_PORT_OFFSET = 1
+_WRAPPER_STORE_PORT_OFFSET = 2
+_WRAPPER_STORE_TIMEOUT = datetime.timedelta(seconds=300)
+_CUDA_STEP_TIMEOUT = datetime.timedelta(seconds=10)
+_MESSAGE_CHARS = 500  # of an exception's message, in the restart line
+_EXIT_RECORDED = "exit_recorded"
+_EXIT_RECORD_TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def run(pretrain: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """`pretrain(args)` under in-process restart; returns the process's exit code."""
+    addr, port, rank, world_size = _launcher_env()
+    # One store for every attempt's torch.distributed, hosted by rank 0 and kept for the life of the
+    # processes; each attempt works in a namespace of its own (parallel.attempt_store).
+    store = dist.TCPStore(addr, port + _DIST_STORE_PORT_OFFSET, world_size, is_master=rank == 0,
+                          timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
+                          wait_for_workers=True)
+    attempts = Attempts(pretrain, args, store)
+    wrapped = _wrapper(args, port, attempts)(attempts.run)
+    try:
+        return wrapped()
+    except RestartAbort as err:  # NVRx's "no more attempts", raised on every rank
+        return attempts.give_up(err)
+
+
+def _launcher_env() -> tuple[str, int, int, int]:
+    try:
+        return (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["RANK"]),
+                int(os.environ["WORLD_SIZE"]))
+    except (KeyError, ValueError):
+        sys.stderr.write("pretrain.py: error: --inprocess-restart needs a launcher that sets MASTER_ADDR, "
+                         "MASTER_PORT, RANK and WORLD_SIZE (torchrun, or srun with those exported); it also "
+                         "uses ports MASTER_PORT+1 and MASTER_PORT+2\n")
+        sys.exit(exit_codes.BAD_ARGUMENTS)
+
+
+def _wrapper(args: argparse.Namespace, master_port: int, attempts: "Attempts") -> inprocess.Wrapper:
+    """NVRx's Wrapper as Megatron builds it, with what CPU needs: our abort and finalize (NVRx's
+    ThreadedFinalize refuses to run without CUDA), and ranks per node from the launcher (Megatron counts
+    GPUs, which is 0 on CPU and would activate no rank at all)."""
+    layers = [inprocess.rank_assignment.Layer(min_ranks=args.inprocess_active_world_size,
+                                              max_ranks=args.inprocess_active_world_size,
+                                              flag=inprocess.rank_assignment.LayerFlag.RESERVE)]
+    if args.inprocess_granularity == "node":
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", max(torch.cuda.device_count(), 1)))
+        layers.append(inprocess.rank_assignment.Layer(min_ranks=per_node, max_ranks=per_node,
+                                                      key_or_fn=lambda _: socket.gethostname(),
+                                                      flag=inprocess.rank_assignment.LayerFlag.RESERVE))
+
+    def secs(name: str) -> datetime.timedelta:
+        return datetime.timedelta(seconds=getattr(args, f"inprocess_{name}"))
+
+    return inprocess.Wrapper(
+        store_kwargs={"port": master_port + _WRAPPER_STORE_PORT_OFFSET, "timeout": _WRAPPER_STORE_TIMEOUT},
+        initialize=inprocess.initialize.RetryController(max_iterations=args.inprocess_max_iterations,
+                                                        min_world_size=args.inprocess_active_world_size),
+        abort=ReleaseProcessGroups(),
+        finalize=BetweenAttempts(attempts, args.inprocess_empty_cuda_cache),
+        health_check=(inprocess.health_check.CudaHealthCheck(timeout=_CUDA_STEP_TIMEOUT)
+                      if torch.cuda.is_available() else None),
+        rank_assignment=inprocess.rank_assignment.Tree(layers=layers),
+        monitor_thread_interval=secs("monitor_thread_interval"),
+        monitor_process_interval=secs("monitor_process_interval"),
+        progress_watchdog_interval=secs("progress_watchdog_interval"),
+        heartbeat_interval=secs("heartbeat_interval"),
+        heartbeat_timeout=secs("heartbeat_timeout"),
+        soft_timeout=secs("soft_timeout"),
+        hard_timeout=secs("hard_timeout"),
+        barrier_timeout=secs("barrier_timeout"),
+        completion_timeout=secs("completion_timeout"),
+        last_call_wait=secs("last_call_wait"),
+        termination_grace_time=secs("termination_grace_time"),
+    )
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why an attempt ended, as rank 0 reports it."""
+    text: str
+    ranks: tuple[int, ...]
+    unix: float | None  # when the first failing rank raised, if one did
+
+
+class Attempts:
+    """The function NVRx restarts, and what this rank carries from one attempt to the next."""
+
+    def __init__(self, pretrain: Callable[[argparse.Namespace], int], args: argparse.Namespace,
+                 store: dist.Store) -> None:
+        self.pretrain = pretrain
+        self.args = args
+        self.store = store
+        self.wrapper_store = None  # NVRx's own store: its record of which ranks failed, and how
+        self.started = 0  # attempts begun
+        self.first_pids: list[int] | None = None
+        self.failure: Failure | None = None  # rank 0: why the last attempt ended
+
+    def run(self, call_wrapper: inprocess.CallWrapper | None = None) -> int:
+        """One attempt. NVRx fills in the parameter annotated with its CallWrapper and checks every
+        parameter's annotation with issubclass (a subscripted generic raises): keep it the only one."""
+        attempt = call_wrapper.iteration
+        self.wrapper_store = call_wrapper.base_store
+        self.started = attempt + 1
+        events.configure(self.args.save)  # the log lines below come before pretrain() configures it
+        pids = self._pids(attempt)
+        if attempt == 0:
+            self.first_pids = pids
+            self._log_setup(pids)
+        else:
+            self._log_restart(attempt, pids)
+        with parallel.attempt_store(dist.PrefixStore(f"attempt{attempt}", self.store)):
+            try:
+                return self.pretrain(copy.deepcopy(self.args))  # nothing an attempt changes reaches the next
+            except BaseException as err:
+                try:
+                    if isinstance(err, Exception):  # not NVRx's own interruption (a BaseException)
+                        self._publish_failure(attempt, err)
+                finally:
+                    # The traceback holds every frame of the attempt, so its model and process groups,
+                    # until NVRx drops the exception after the restart barrier. Freed now, dropping the
+                    # groups in the abort really closes them, and the blocked peer is released.
+                    traceback.clear_frames(err.__traceback__)
+                raise
+
+    def _pids(self, attempt: int) -> list[int] | None:
+        """Every rank's process id in this attempt (on rank 0; None elsewhere)."""
+        world_size = int(os.environ["WORLD_SIZE"])
+        self.store.set(f"pid/{attempt}/{parallel.rank()}", str(os.getpid()))
+        if not parallel.is_rank0():
+            return None
+        return [int(p) for p in self.store.multi_get([f"pid/{attempt}/{r}" for r in range(world_size)])]
+
+    def _publish_failure(self, attempt: int, err: Exception) -> None:
+        """Leave this rank's exception where rank 0 reads it when it reports the restart."""
+        record = {"type": type(err).__name__, "message": str(err)[:_MESSAGE_CHARS], "unix": time.time()}
+        with contextlib.suppress(Exception):  # the failure itself matters more than its report
+            self.store.set(f"failure/{attempt}/{parallel.rank()}", json.dumps(record))
+
+    def collect_failure(self, attempt: int) -> Failure:
+        """Rank 0, between attempts: which ranks ended `attempt` and why. NVRx's interruption records name
+        the ranks that failed first (others fail in turn once their peers are gone, within its last-call
+        wait); the messages are those the failing ranks published."""
+        records = WrapperPrefixStore(attempt, self.wrapper_store).get_interruption_records()
+        parts, ranks, first = [], [], None
+        for record in dict.fromkeys(records):  # in order, once each
+            ranks.append(record.rank)
+            key = f"failure/{attempt}/{record.rank}"
+            if record.interruption == Interruption.EXCEPTION and self.store.check([key]):
+                published = json.loads(self.store.get(key))
+                first = published["unix"] if first is None else min(first, published["unix"])
+                parts.append(f"rank {record.rank} raised {published['type']}: {published['message']}")
+            else:
+                parts.append(f"rank {record.rank} {self._describe(record.interruption)}")
+        return Failure("; ".join(parts) or "no rank recorded a reason", tuple(sorted(set(ranks))), first)
+
+    def _describe(self, interruption: Interruption) -> str:
+        a = self.args
+        return {
+            Interruption.EXCEPTION: "raised an exception",
+            Interruption.SOFT_TIMEOUT: f"made no progress for --inprocess-soft-timeout "
+                                       f"{a.inprocess_soft_timeout:g} s",
+            Interruption.HARD_TIMEOUT: f"made no progress for --inprocess-hard-timeout "
+                                       f"{a.inprocess_hard_timeout:g} s and was terminated",
+            Interruption.TERMINATED: "ended (its process is gone)",
+            Interruption.UNRESPONSIVE: f"sent no heartbeat for --inprocess-heartbeat-timeout "
+                                       f"{a.inprocess_heartbeat_timeout:g} s",
+        }.get(interruption, f"was interrupted ({interruption.name})")
+
+    def _limit_text(self) -> str:
+        limit = self.args.inprocess_max_iterations
+        return (f"at most {limit} attempts in all (--inprocess-max-iterations)" if limit is not None else
+                "attempts unbounded (--inprocess-max-iterations not set)")
+
+    def _log_setup(self, pids: list[int] | None) -> None:
+        a = self.args
+        events.decision("inprocess", "in-process restart on: a failure on any rank restarts training on "
+                        "every rank in the same processes, from the newest checkpoint; "
+                        f"{self._limit_text()}; soft timeout {a.inprocess_soft_timeout:g} s, hard timeout "
+                        f"{a.inprocess_hard_timeout:g} s",
+                        pids=pids, max_iterations=a.inprocess_max_iterations)
+
+    def _log_restart(self, attempt: int, pids: list[int] | None) -> None:
+        if not parallel.is_rank0():
+            return
+        failure = self.failure or Failure("the reason was not recorded", (), None)
+        limit = self.args.inprocess_max_iterations
+        bound = f" of at most {limit - 1}" if limit is not None else ""
+        same = "the same processes" if pids == self.first_pids else f"processes {pids}"
+        since = f" ({time.time() - failure.unix:.1f} s after the failure)" if failure.unix else ""
+        events.decision("restart", f"in-process restart {attempt}{bound}: {failure.text}; every rank trains "
+                        f"again in {same}, from the newest checkpoint{since}",
+                        count=attempt, kind="inprocess", max_restarts=None if limit is None else limit - 1,
+                        reason=failure.text, failed_ranks=list(failure.ranks), failed_unix=failure.unix,
+                        pids=pids)
+
+    def give_up(self, err: RestartAbort) -> int:
+        """NVRx will not start another attempt: the bound is reached (or too few ranks are left)."""
+        events.configure(self.args.save)
+        limit = self.args.inprocess_max_iterations
+        last = self.failure.text if self.failure else "unknown"
+        if limit is not None and self.started >= limit:
+            why = f"all {limit} attempts allowed by --inprocess-max-iterations failed"
+        else:
+            why = f"NVRx ended in-process restarts after {self.started} attempts ({err})"
+        message = f"{why}; the last failure: {last}; exiting with code {exit_codes.UNRECOVERABLE}"
+        if parallel.is_rank0():
+            events.decision("inprocess", message, exit_code=exit_codes.UNRECOVERABLE, attempts=self.started)
+            events.record("exit", message=message, exit_code=exit_codes.UNRECOVERABLE)
+            self.store.set(_EXIT_RECORDED, "1")
+        else:
+            # NVRx lets the other ranks leave before rank 0 (it hosts the stores), and torchrun ends every
+            # rank as soon as one has exited: wait until the exit is on record.
+            with contextlib.suppress(Exception):
+                self.store.wait([_EXIT_RECORDED], _EXIT_RECORD_TIMEOUT)
+        return exit_codes.UNRECOVERABLE
+
+
+class ReleaseProcessGroups(inprocess.abort.Abort):
+    """Runs in NVRx's monitor thread on every rank as soon as any rank has failed, to unblock the training
+    thread: NVRx's abort (NCCL communicators and TE buffers on GPU; on gloo it only unregisters the
+    groups), then every reference to them dropped, which is what closes gloo's connections."""
+
+    def __call__(self, state: inprocess.FrozenState) -> inprocess.FrozenState:
+        if torch.cuda.is_available():
+            inprocess.abort.AbortTransformerEngine()(state)
+        inprocess.abort.AbortTorchDistributed()(state)
+        parallel.release_process_groups()
+        return state
+
+
+class BetweenAttempts(inprocess.finalize.Finalize):
+    """Runs on every rank after the failed attempt has unwound, before the next one: nothing of it may
+    survive into the next attempt, and rank 0 notes why it failed."""
+
+    def __init__(self, attempts: Attempts, empty_cuda_cache: bool) -> None:
+        self.attempts = attempts
+        self.empty_cuda_cache = empty_cuda_cache
+
+    def __call__(self, state: inprocess.FrozenState) -> inprocess.FrozenState:
+        parallel.release_process_groups()  # again: the abort may have stopped part way
+        _stop_checkpoint_writers()
+        if self.empty_cuda_cache and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        if parallel.is_rank0():
+            self.attempts.failure = self.attempts.collect_failure(state.iteration)
+        return state
+
+
+def _stop_checkpoint_writers() -> None:
+    """The failed attempt's checkpoint writers must not outlive it: the next attempt removes unpublished
+    staging directories when it starts and may save the same iteration again. They are this process's
+    children (our async-save worker, megatron-core's forked writers), all but the Manager process that
+    serves megatron-core's write-results queue, which lives as long as the process (dcp_writer.py)."""
+    for child in multiprocessing.active_children():
+        if not child.name.startswith(f"{SyncManager.__name__}-"):  # BaseManager names its process so
+            child.kill()
+            child.join(5)
+    # A save interrupted between writing and collecting its results leaves them in that queue, where
+    # the next save would take them for its own. (A queue that is itself broken is the next save's to
+    # report, not a reason to end the job here.)
+    results = getattr(filesystem_async, "_results_queue", None)
+    with contextlib.suppress(Exception):
+        while results is not None and not results.empty():
+            results.get_nowait()

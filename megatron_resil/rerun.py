@@ -1,0 +1,363 @@
+"""Result validation through megatron-core's rerun state machine, wired as Megatron-LM wires it: each
+microbatch loss is checked for NaN and Inf (and for a spike, with --check-for-spiky-loss) as its loss_func
+does, and this rank's grad norm for NaN and Inf before the data-parallel reduction, as its DDP does. A
+step runs under the machine's rerun loop (`StepValidation`); its verdict may end the job (`RerunStop`):
+exit 16, resume from the checkpoint elsewhere to disambiguate, or 17, failed validation.
+
+Replaying a step needs no data-iterator wrapper: a batch is a pure function of the consumed-sample count
+(data.get_microbatch), which advances only once a step is taken, so a rerun in place and a job resumed from
+the machine's checkpoint read the same batches. The machine gets no iterator (None) and saves and restores
+the RNG states around a rerun itself. Without a rejected result nothing is redrawn or reordered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from megatron.core import tensor_parallel
+from megatron.core.rerun_state_machine import (
+    EXIT_CODE_RESUME_TO_DISAMBIGUATE,
+    Call,
+    Caller,
+    QuickStats,
+    RerunDiagnostic,
+    RerunErrorInjector,
+    RerunMode,
+    RerunState,
+    destroy_rerun_state_machine,
+    get_rerun_state_machine,
+    initialize_rerun_state_machine,
+)
+
+from megatron_resil import events, parallel
+from megatron_resil.progress import TrainProgress
+
+# A checkpoint saved for exit 16 or 17 holds the machine's enums and call records in common.pt, which
+# megatron-core reads with torch.load(weights_only=True). They are plain enums and named tuples.
+torch.serialization.add_safe_globals([RerunMode, RerunState, RerunDiagnostic, Call, Caller])
+
+SPIKY_LOSS_FACTOR = 10  # Megatron-LM's: a loss 10x the largest of the first 100 seen is a spike
+_GRAD_NORM_WHERE = "in local grad norm in backward pass before data-parallel communication collective"
+
+
+@dataclass(frozen=True)
+class RerunConfig:
+    mode: str = "validate_results"
+    error_injection_rate: int = 0
+    error_injection_type: str = "transient_error"
+    check_nan: bool = True  # --no-check-for-nan-in-loss-and-grad turns it off
+    check_spiky: bool = False
+    stats_interval: int = 100  # report_determinism_stats: report every this many iterations (--log-interval)
+    save: str | None = None
+    seed: int = 1234
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RerunConfig:
+        return cls(mode=args.rerun_mode, error_injection_rate=args.error_injection_rate,
+                   error_injection_type=args.error_injection_type,
+                   check_nan=args.check_for_nan_in_loss_and_grad, check_spiky=args.check_for_spiky_loss,
+                   stats_interval=args.log_interval, save=args.save, seed=args.seed)
+
+
+# The machine is megatron-core's process-wide singleton; its configuration lives beside it. A train_step
+# called without `initialize` (the benchmarks) gets megatron-core's implicit machine (disabled: a rejected
+# result raises) and Megatron's default checks.
+_config = RerunConfig()
+
+
+@dataclass(frozen=True)
+class RerunStop:
+    """The machine ends the job after a step that is not taken (same fields as stop_conditions.Stop)."""
+
+    reason: str
+    exit_code: int
+    requeue: bool
+    checkpoint: bool  # save the iteration before the step, the machine's state in it
+    verdict: str  # transient, reproduced, same-device or failed-elsewhere (see StepValidation._outcome)
+
+
+def initialize(config: RerunConfig) -> None:
+    """(Re)create the machine for this run, before a checkpoint is loaded: one may hold its state. Called
+    again by an in-process restart."""
+    global _config
+    destroy_rerun_state_machine()
+    initialize_rerun_state_machine(
+        state_save_func=_save_rng_tracker, state_restore_func=_restore_rng_tracker,
+        mode=RerunMode(config.mode),
+        error_injector=_ErrorInjector(config.error_injection_rate,
+                                     RerunDiagnostic(config.error_injection_type), config.seed))
+    _config = config
+    if config.mode == RerunMode.REPORT_DETERMINISM_STATS:
+        # megatron-core 0.16.1's own report reads Caller.filename, which Caller lacks (AttributeError on
+        # rank 0 at the first report), and logs at INFO, which nothing shows. StepValidation reports instead.
+        get_rerun_state_machine()._maybe_report_stats = lambda: None
+
+
+class _ErrorInjector(RerunErrorInjector):
+    """megatron-core's injector with a generator of its own. Its own draws from Python's global `random`,
+    which the machine restores before a rerun: after an injected rejection that the run survives (a check
+    that is not fatal), every later step drew the same number and was injected again."""
+
+    def __init__(self, rate: int, kind: RerunDiagnostic, seed: int) -> None:
+        super().__init__(rate, kind)
+        self._random_state = random.Random(seed).getstate()
+
+    def maybe_inject(self) -> bool:
+        outer = random.getstate()
+        random.setstate(self._random_state)
+        try:
+            return super().maybe_inject()
+        finally:
+            self._random_state = random.getstate()
+            random.setstate(outer)
+
+
+def _save_rng_tracker():
+    # The machine itself saves the Python, NumPy, torch and CUDA generators; Megatron-LM adds the
+    # tensor-parallel CUDA RNG tracker (dropout inside model-parallel regions). There is none on CPU.
+    if not torch.cuda.is_available():
+        return None
+    return {"rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
+
+
+def _restore_rng_tracker(state: dict) -> None:
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+
+
+@dataclass
+class _Finding:
+    """What one rank rejected in this step, for the one log line."""
+
+    message: str
+    value: float
+    injected: str | None = None
+    rerun_value: float | None = None
+
+    def __str__(self) -> str:
+        injected = f", injected {self.injected}" if self.injected else ""
+        rerun = "" if self.rerun_value is None else f"; rerun: {self.rerun_value:.6g}"
+        return f"{self.message} ({self.value:.6g}{injected}{rerun})"
+
+
+class StepValidation:
+    """One training step under the machine's loop:
+
+        step = StepValidation(iteration)
+        while step.runs():         # once, twice on a rerun in place
+            ... forward, step.check_loss(loss), backward ...
+            step.check_grads(params)
+        stop = step.verdict()      # None: take the step (optimizer); else do not, and end the job
+    """
+
+    def __init__(self, iteration: int, nan_checks: bool = True) -> None:
+        self.iteration = iteration
+        # Off while the post-load canary watches a non-persistent checkpoint: a NaN there condemns the
+        # checkpoint (see checkpointing/canary.py) instead of starting a rerun that would save it again.
+        self.nan_checks = nan_checks and _config.check_nan
+        self.machine = get_rerun_state_machine()
+        self.passes: list[RerunState] = []
+        self._calls: dict[str, int] = defaultdict(int)
+        self._rejected: tuple[str, int] | None = None
+        self._finding: _Finding | None = None
+        if self.machine.state == RerunState.NOT_RUNNING_YET:  # a fresh step, not one resumed for a rerun
+            self.machine.current_iteration = iteration - 1  # its logs then number steps as we do
+            # megatron-core keeps the rejected call of an earlier step, and a later rerun would compare
+            # this step's result with that step's (and may "continue" past a real fault): forget it.
+            self.machine.failed_validation_call = None
+            self.machine.initial_result = None
+
+    def runs(self) -> bool:
+        """Whether to (re)run forward and backward; zero the gradients before each pass."""
+        if not self.machine.should_run_forward_backward(None):
+            return False
+        self._calls.clear()
+        self.passes.append(self.machine.state)
+        call = self.machine.failed_validation_call
+        if self.machine.state == RerunState.RERUNNING_FROM_CHECKPOINT and call is not None:
+            self._rejected = (call.caller.message, call.sequence)  # this rank's, from the checkpoint
+            injected = self.machine.error_injector.injected_error_type
+            self._finding = _Finding(call.caller.message, _as_float(self.machine.initial_result),
+                                     injected.value if injected else None)
+        return True
+
+    def check_loss(self, loss: torch.Tensor) -> None:
+        """Megatron-LM's loss_func checks, on one microbatch loss."""
+        loss = loss.detach()  # the machine keeps a rejected result; not the graph behind it
+        if self.nan_checks:
+            self._validate(loss, torch.isnan, "found NaN in local forward loss calculation", 0.0, fatal=True)
+            self._validate(loss, torch.isinf, "found Inf in local forward loss calculation", 0.0, fatal=True)
+        if _config.check_spiky:
+            spike = partial(self.machine.is_unexpectedly_large, threshold=SPIKY_LOSS_FACTOR, context="loss")
+            self._validate(loss, spike, "Spiky loss", 0.0, fatal=False)
+
+    def check_grads(self, params: list[torch.nn.Parameter]) -> None:
+        """Megatron-LM's DDP check: the norm of this rank's gradients before they are averaged."""
+        grads = [p.grad for p in params if p.grad is not None]
+        if not self.nan_checks or not grads:
+            return
+        norm = torch.nn.utils.get_total_norm(grads)
+        # Megatron's tolerance: backward kernels need not be deterministic.
+        self._validate(norm, torch.isnan, f"found NaN {_GRAD_NORM_WHERE}", 0.001, fatal=True)
+        self._validate(norm, torch.isinf, f"found Inf {_GRAD_NORM_WHERE}", 0.001, fatal=True)
+
+    def _validate(self, result: torch.Tensor, rejection_func: Callable, message: str, tolerance: float,
+                  fatal: bool) -> None:
+        machine = self.machine
+        self._calls[message] += 1
+        call = (message, self._calls[message])
+        already_rejected = machine.rerun_requested
+        machine.validate_result(result, rejection_func, message, tolerance=tolerance, fatal=fatal)
+        if machine.mode != RerunMode.VALIDATE_RESULTS:
+            return
+        if machine.state == RerunState.INITIAL_RUN and machine.rerun_requested and not already_rejected:
+            injected = machine.error_injector.injected_error_type
+            self._rejected = call
+            self._finding = _Finding(message, _as_float(result), injected.value if injected else None)
+        elif call == self._rejected and self._finding is not None:
+            self._finding.rerun_value = _as_float(result)
+
+    def verdict(self) -> RerunStop | None:
+        """The machine's decision after the loop: None to take the step, else a stop (logged once)."""
+        machine = self.machine
+        checkpoint, should_exit, code = machine.should_checkpoint_and_exit()
+        if machine.mode == RerunMode.REPORT_DETERMINISM_STATS:
+            self._report_stats()
+            return None
+        if self.passes == [RerunState.INITIAL_RUN]:
+            return None  # nothing was rejected (every rank agrees: the machine reduced it)
+        findings = [f"rank {rank}: {finding}"
+                    for rank, finding in enumerate(parallel.all_gather_object(self._finding)) if finding]
+        verdict, how = self._outcome(machine.state, should_exit, code)
+        reason = f"iteration {self.iteration}: {'; '.join(findings) or 'a result was rejected'}; {how}"
+        if not should_exit:
+            events.decision("rerun", f"{reason}; continuing", iteration=self.iteration, verdict=verdict,
+                            findings=findings)
+            return None
+        previous = self.iteration - 1
+        if not checkpoint:
+            action = f"exiting with code {code} (the checkpoint of iteration {previous} is the one to resume)"
+        elif _config.save is None:
+            action = f"exiting with code {code}; no --save to hold the checkpoint of iteration {previous}"
+        else:
+            action = f"saving the checkpoint of iteration {previous} (the step is not taken) and exiting " \
+                     f"with code {code}"
+        requeue = code == EXIT_CODE_RESUME_TO_DISAMBIGUATE
+        events.decision("rerun", f"{reason}; {action}", iteration=self.iteration, exit_code=code,
+                        verdict=verdict, findings=findings)
+        events.record("exit", message=reason, iteration=previous, exit_code=code, requeue=requeue)
+        return RerunStop(reason, code, requeue=requeue, checkpoint=checkpoint, verdict=verdict)
+
+    def _outcome(self, state: RerunState, should_exit: bool, code: int) -> tuple[str, str]:
+        """(verdict, what it means) from the machine's state after the loop."""
+        if not should_exit:
+            where = "after resuming from the checkpoint" \
+                if RerunState.RERUNNING_FROM_CHECKPOINT in self.passes else "in place"
+            return "continued", f"rerun {where}: the check is not fatal"
+        if state == RerunState.RERUNNING_IN_PLACE:
+            return "transient", "not reproduced by a rerun in place on the same device (a transient " \
+                                "fault) and the check is fatal"
+        if state == RerunState.WILL_RERUN_FROM_CHECKPOINT:
+            return "reproduced", "reproduced by a rerun in place on the same device; a rerun on another " \
+                                 "node or device tells a faulty device from a correct result: resume from " \
+                                 "the checkpoint there"
+        if state == RerunState.RERUNNING_AGAIN_FROM_CHECKPOINT:
+            machine = self.machine
+            suspects = parallel.all_gather_object((machine.suspicious_node, machine.suspicious_device))
+            node, device = next((s for s in suspects if s[0] is not None), ("?", "?"))
+            return "same-device", f"resumed on the node and device that produced it ({node}, device " \
+                                  f"{device}): resume from the same checkpoint on another node or device"
+        return "failed-elsewhere", "rerun after resuming from the checkpoint on another node or device: " \
+                                   f"failed validation (exit code {code}; the rerun state machine's lines " \
+                                   "above say which)"
+
+    def _report_stats(self) -> None:
+        """report_determinism_stats: how much each validated result varied between the two passes."""
+        if self.iteration % _config.stats_interval:
+            return
+        gathered = parallel.all_gather_object(dict(self.machine.stats))
+        for stats in self.machine.stats.values():
+            stats.reset()
+        by_message: dict[str, list[QuickStats]] = defaultdict(list)
+        for rank_stats in gathered:
+            for caller, stats in rank_stats.items():
+                by_message[caller.message].append(stats)
+        for message, parts in sorted(by_message.items()):
+            total = QuickStats()
+            total.combine(parts)
+            events.print_rank_0(f" determinism to iteration {self.iteration}: '{message}': "
+                                f"{total.print_stats()}")
+
+
+def _as_float(value) -> float:
+    if value is None:
+        return math.nan
+    return float(value.item() if isinstance(value, torch.Tensor) else value)
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+def checkpoint_state() -> dict | None:
+    """The machine's state under Megatron's key `rerun_state_machine`: None unless a rerun is pending (only
+    the checkpoints saved for exit 16 or 17 hold one). Collective then (every rank is in that state)."""
+    machine = get_rerun_state_machine()
+    if machine.state == RerunState.NOT_RUNNING_YET:
+        return None
+    state = machine.state_dict(data_iterator=None, ckpt_format="torch_dist", force=True)
+    # Megatron-LM keeps each rank's part in a ShardedObject ("sharded"), which it loads with a template it
+    # builds after reading common.pt. Our loader builds one template before it knows which candidate it
+    # loads, so every rank's part is also copied into common.pt, which always comes back whole.
+    state["per_rank"] = parallel.all_gather_object(state["sharded"].data)
+    return state
+
+
+def restore_state(saved: dict | None) -> None:
+    """On load: continue the rerun the saving job asked for (exit 16). Megatron's validate_state_dict: a
+    checkpoint without a pending rerun holds None (or NOT_RUNNING_YET) and restores nothing."""
+    if not saved or saved.get("state") in (None, RerunState.NOT_RUNNING_YET):
+        return
+    machine = get_rerun_state_machine()
+    iteration = saved.get("current_iteration")
+    if saved["state"] != RerunState.WILL_RERUN_FROM_CHECKPOINT:
+        # Saved for examination after exit 17. megatron-core cannot resume in that state (it would restore
+        # RNG states it no longer has and raise): the step is simply run again.
+        events.decision("rerun", f"the checkpoint was saved after iteration {iteration} failed validation "
+                        f"(exit code 17, machine state {saved['state'].name}); resuming it as a plain "
+                        "checkpoint: that step runs afresh", iteration=iteration)
+        return
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    per_rank = saved.get("per_rank")
+    if per_rank is None or len(per_rank) != world:
+        why = "Megatron-LM saved it (each rank's part is only in its ShardedObject)" if per_rank is None \
+            else f"it was saved by {len(per_rank)} ranks and this job has {world}"
+        events.decision("rerun", f"the checkpoint asks to rerun iteration {iteration}, but {why}: the "
+                        "pending rerun is dropped, that step runs afresh", iteration=iteration)
+        return
+    if machine.mode == RerunMode.DISABLED:
+        events.decision("rerun", f"--rerun-mode disabled: the checkpoint's pending rerun of iteration "
+                        f"{iteration} is dropped, that step runs afresh", iteration=iteration)
+        return
+    machine.load_state_dict({**saved, "sharded": per_rank[parallel.rank()]})
+    events.decision("rerun", f"resuming the rerun of iteration {iteration} that the previous job asked for "
+                    "(exit code 16): a rerun on another node or device settles it", iteration=iteration)
+
+
+def final_save(checkpoints, stop) -> Callable[[TrainProgress], bool]:
+    """The end-of-run save: the usual one, unless the machine ended the run: then the checkpoint it asks
+    for, rewritten if that iteration is on disk already (that copy lacks the machine's state), or none."""
+    if not isinstance(stop, RerunStop):
+        return checkpoints.save
+    if not stop.checkpoint:
+        return lambda progress: False
+
+    def save(progress: TrainProgress) -> bool:
+        checkpoints.last_saved_iteration = None
+        return checkpoints.save(progress)
+
+    return save

@@ -1,0 +1,117 @@
+"""The launch logic of scripts/: the requeue-or-stop decision, and the local launcher (the Slurm
+script's logic on one machine) under a real preemption: SIGTERM to the launcher script, forwarded to
+ft_launcher and the ranks, which save and exit; the job is requeued, resumes from the tracker and
+finishes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_resil import exit_codes
+from megatron_resil.tools import timeline
+from megatron_resil.tools.requeue import decide
+from tests import launch
+
+RUN_LOCAL = str(launch.REPO / "scripts" / "run_local.sh")
+
+
+def _ev(event: str, **fields) -> dict:
+    return {"event": event, "unix": 1.0, **fields}
+
+
+@pytest.mark.parametrize("events,launcher_code,verb,code", [
+    ([_ev("start"), _ev("finished", iteration=10, exit_code=0)], 0, "stop", 0),
+    ([_ev("start"), _ev("exit", exit_code=exit_codes.SIGNAL_SAVED)], 1, "requeue", 5),
+    ([_ev("start"), _ev("exit", exit_code=exit_codes.SIGNAL_DEADLINE)], 1, "requeue", 6),
+    ([_ev("start"), _ev("exit", exit_code=0, requeue=True)], 0, "requeue", 0),  # --exit-duration-in-mins
+    ([_ev("start"), _ev("exit", exit_code=0, requeue=False)], 0, "stop", 0),  # --exit-interval
+    ([_ev("start"), _ev("exit", exit_code=exit_codes.NO_CHECKPOINT)], 1, "stop", 3),
+    ([_ev("start"), _ev("exit", exit_code=exit_codes.UNRECOVERABLE)], 1, "stop", 8),
+    ([_ev("start"), _ev("exit", exit_code=exit_codes.RERUN_RESUME)], 1, "requeue", 16),
+    ([_ev("start"), _ev("exit", exit_code=exit_codes.RERUN_FAILED_VALIDATION)], 1, "stop", 17),
+    ([_ev("start")], 1, "requeue", 1),  # killed without a word: a lost node, restarts exhausted
+    # In-job restarts: the last attempt's end decides.
+    ([_ev("start"), _ev("start"), _ev("exit", exit_code=5), _ev("start"), _ev("finished", exit_code=0)],
+     0, "stop", 0),
+    ([], 0, "stop", 0),
+], ids=["finished", "signal", "signal-deadline", "duration", "interval", "no-checkpoint", "unrecoverable",
+        "rerun-16", "rerun-17", "killed", "restarted-then-finished", "no-event-log"])
+def test_requeue_decision(events, launcher_code, verb, code):
+    got_verb, got_code, reason = decide(events, launcher_code)
+    assert (got_verb, got_code) == (verb, code), reason
+    assert reason
+
+
+def test_requeue_tool_reads_only_this_step_and_skips_a_torn_line(tmp_path):
+    log = tmp_path / "events.jsonl"
+    lines = [json.dumps({"event": "finished", "exit_code": 0, "unix": 100.0, "iteration": 4}),
+             json.dumps({"event": "start", "unix": 200.0}),
+             json.dumps({"event": "exit", "exit_code": 5, "unix": 210.0}), '{"event": "sta']
+    log.write_text("\n".join(lines))
+    out = subprocess.run([sys.executable, "-m", "megatron_resil.tools.requeue", str(tmp_path),
+                          "--since", "150", "--launcher-exit-code", "1"],
+                         capture_output=True, text=True, env=launch.env())
+    assert out.returncode == 0 and out.stdout.startswith("requeue 5: "), out.stdout + out.stderr
+
+
+def _local(args: list[str], log: Path) -> subprocess.Popen:
+    env = {**launch.env(), "RESIL_PYTHON": sys.executable, "MAX_REQUEUES": "2", "MAX_RESTARTS": "0"}
+    return subprocess.Popen(["bash", RUN_LOCAL, *args], env=env, cwd=launch.REPO, stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def test_local_launcher_rejects_bad_arguments_before_launching(tmp_path):
+    log = tmp_path / "launch.log"
+    proc = _local([*launch.TINY_MODEL, *launch.TINY_TRAINING, "--train-iters", "4", "--save", str(tmp_path),
+                   "--save-interval", "0"], log)
+    assert proc.wait(timeout=120) == exit_codes.BAD_ARGUMENTS, log.read_text()
+    assert "--save-interval" in log.read_text() and "attempt 1" not in log.read_text()
+
+
+@pytest.mark.slow
+def test_local_launcher_preemption_requeues_and_resumes_to_completion(tmp_path):
+    root = tmp_path / "ckpt"
+    log = tmp_path / "launch.log"
+    args = [*launch.TINY_MODEL, *launch.TINY_TRAINING, "--train-iters", "8", "--save", str(root), "--load",
+            str(root), "--save-interval", "4", "--exit-signal-handler",
+            # Slow enough that the preemption lands mid-run.
+            "--inject-fault", "slow", "--inject-fault-iteration", "1", "--inject-fault-slow-secs", "0.5"]
+    proc = _local(args, log)
+    try:
+        deadline = time.monotonic() + 180
+        while "iteration        2/" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGTERM)  # what Slurm's --signal=B:SIGTERM@grace does to the batch script
+        assert proc.wait(timeout=300) == 0, log.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = log.read_text()
+    assert "SIGTERM: forwarding to the job step" in out
+    assert "requeue 5: stopped by the exit signal after saving" in out, out[-4000:]
+    saved = [line for line in out.splitlines() if "successfully saved checkpoint from iteration" in line]
+    preempted_at = int(saved[0].split("iteration")[1].split()[0])
+    assert "attempt 2 (requeue 1" in out
+    assert f"successfully loaded checkpoint from {root} [ t 1/1, p 1/1 ] at iteration {preempted_at}" in out
+    assert "stop 0: training finished at iteration 8" in out
+    # The operator's picture of the night: two attempts, the preemption, the resume.
+    assert timeline.main([str(root)]) == 0
+    first, second = timeline.analyse(*timeline.read_events(str(root / "events.jsonl"))).attempts
+    assert (first.reached, first.ending) == (preempted_at, "exit 5")
+    assert (second.loaded, second.reached, second.ending) == (f"persistent@{preempted_at}", 8, "finished")
+    for line in (root / "events.jsonl").read_text().splitlines():  # strict JSON: no bare NaN
+        json.loads(line, parse_constant=_not_json)
+    assert (root / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _not_json(constant: str) -> None:
+    raise AssertionError(f"{constant} is not JSON")

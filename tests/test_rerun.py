@@ -1,0 +1,151 @@
+"""megatron-core's rerun state machine validates every step: a rejected loss or grad norm reruns the step in
+place on the same batches; a check that is not fatal then continues, a fatal one saves the iteration before
+the step and exits 17 (not reproduced: a transient fault) or 16 (reproduced: resume on another device)."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+from megatron.core.rerun_state_machine import RerunState
+
+from megatron_resil import rerun  # noqa: F401 - allows the machine's enums in torch.load(weights_only=True)
+from megatron_resil.arguments import parse_args
+from megatron_resil.checkpointing import layout
+from tests import launch
+
+pytestmark = pytest.mark.slow
+
+_RERUN = re.compile(r"\[resil\] rerun: iteration (\d+): (.*)")
+
+
+def _args(iters: int, *extra: str) -> list[str]:
+    return [*launch.TINY_MODEL, *launch.TINY_TRAINING, "--train-iters", str(iters), *extra]
+
+
+def _saving(root: Path) -> list[str]:
+    return ["--save", str(root), "--load", str(root), "--save-interval", "50"]
+
+
+def _machine_state(root: Path, iteration: int) -> dict | None:
+    common = torch.load(Path(layout.iteration_dir(str(root), iteration)) / "common.pt", weights_only=True)
+    return common["rerun_state_machine"]
+
+
+def _events(root: Path, kind: str) -> list[dict]:
+    events = [json.loads(line) for line in (root / "events.jsonl").read_text().splitlines()]
+    return [e for e in events if e["event"] == kind]
+
+
+def test_injected_transient_errors_and_a_real_loss_spike_are_rerun_in_place_and_training_completes():
+    """Not fatal (--check-for-spiky-loss alone): every rejection is rerun and the run goes on. A spike is
+    judged against the first 100 losses, so it is injected after them."""
+    out = launch.run(_args(110, "--log-interval", "10", "--no-check-for-nan-in-loss-and-grad",
+                           "--check-for-spiky-loss", "--error-injection-rate", "50",
+                           "--inject-fault", "spiky-loss", "--inject-fault-iteration", "110",
+                           "--inject-fault-repeat")).stdout
+    assert "exitcode" not in out and "Traceback" not in out, out[-3000:]
+    reruns = {int(m.group(1)): m.group(2) for m in _RERUN.finditer(out)}
+    injected = {it: line for it, line in reruns.items() if "injected transient_error" in line}
+    assert 2 <= len(injected) <= 10, reruns  # about 1 in 50 losses, not every step after the first one
+    for line in injected.values():
+        # The rerun replays the same batch with the same RNG: the same loss, to the last digit.
+        initial, replayed = re.search(r"\((\S+), injected transient_error; rerun: (\S+)\)", line).groups()
+        assert initial == replayed and line.endswith("rerun in place: the check is not fatal; continuing")
+    spike_line = re.search(r"rank 0: Spiky loss \((\S+); rerun: (\S+)\)", reruns[110])
+    spike, replayed = map(float, spike_line.groups())
+    assert spike > 100 * replayed and reruns[110].endswith("continuing")
+    assert float(launch.losses(out)[110][0]) < 10  # the logged step is the rerun's, not the spike
+
+
+def test_transient_error_on_the_nan_checks_saves_exits_17_and_the_checkpoint_resumes(tmp_path):
+    """The NaN/Inf checks are fatal (as in Megatron-LM): a result that a rerun in place does not
+    reproduce exits 17 with a checkpoint of the iteration before the step. megatron-core cannot resume
+    in that state; we resume it as a plain checkpoint."""
+    root = tmp_path / "ckpt"
+    first = launch.run(_args(6, *_saving(root), "--error-injection-rate", "8")).stdout
+    assert "exitcode  : 17" in first, first[-3000:]
+    step, line = next((int(m.group(1)), m.group(2)) for m in _RERUN.finditer(first))
+    assert "injected transient_error" in line
+    assert line.endswith("not reproduced by a rerun in place on the same device (a transient fault) and the "
+                         f"check is fatal; saving the checkpoint of iteration {step - 1} (the step is not "
+                         "taken) and exiting with code 17")
+    assert layout.published_iterations(str(root)) == [step - 1]
+    assert _machine_state(root, step - 1)["state"] == RerunState.RERUNNING_IN_PLACE
+    assert _events(root, "exit")[-1]["exit_code"] == 17
+    assert _events(root, "rerun")[-1]["verdict"] == "transient"
+
+    resumed = launch.run(_args(6, *_saving(root)))
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert f"[resil] rerun: the checkpoint was saved after iteration {step} failed validation (exit code 17" \
+        in resumed.stdout
+    assert sorted(launch.losses(resumed.stdout)) == list(range(step, 7))
+
+
+def test_persistent_error_exits_16_and_the_same_command_on_the_same_host_exits_16_again(tmp_path):
+    """Reproduced in place: save and exit 16 to rerun on another device. Resumed on the same host and
+    device, megatron-core exits 16 again without a checkpoint, every time (the endless loop under in-job
+    restarts: the escape hatch's business, not this one's)."""
+    root = tmp_path / "ckpt"
+    args = _args(6, *_saving(root), "--error-injection-rate", "8",
+                 "--error-injection-type", "persistent_error")
+    first = launch.run(args).stdout
+    assert "exitcode  : 16" in first, first[-3000:]
+    step, line = next((int(m.group(1)), m.group(2)) for m in _RERUN.finditer(first))
+    assert "injected persistent_error" in line and line.endswith(
+        f"saving the checkpoint of iteration {step - 1} (the step is not taken) and exiting with code 16")
+    saved = _machine_state(root, step - 1)
+    assert saved["state"] == RerunState.WILL_RERUN_FROM_CHECKPOINT and len(saved["per_rank"]) == 2
+    assert socket.gethostname() in {rank["suspicious_node"] for rank in saved["per_rank"]}
+
+    again = launch.run(args).stdout
+    assert "exitcode  : 16" in again, again[-3000:]
+    assert f"[resil] rerun: resuming the rerun of iteration {step} that the previous job asked for" in again
+    line = next(m.group(2) for m in _RERUN.finditer(again))
+    assert f"resumed on the node and device that produced it ({socket.gethostname()}, device " in line
+    assert line.endswith(f"exiting with code 16 (the checkpoint of iteration {step - 1} is the one to "
+                         "resume)")
+    assert layout.published_iterations(str(root)) == [step - 1]  # no new checkpoint
+    assert [(e["exit_code"], e["requeue"]) for e in _events(root, "exit")] == [(16, True), (16, True)]
+    # What a bound on same-device retries (the escape hatch) counts, from the event log across restarts:
+    assert [e["verdict"] for e in _events(root, "rerun") if "verdict" in e] == ["reproduced", "same-device"]
+
+
+def test_megatrons_report_stats_spelling_runs_report_determinism_stats():
+    out = launch.run(_args(4, "--rerun-mode", "report_stats", "--log-interval", "2")).stdout
+    assert "exitcode" not in out and "Traceback" not in out, out[-3000:]
+    assert out.count("pretrain.py: note: --rerun-mode report_stats is Megatron-LM's spelling") == 1
+    # Each step runs twice; on CPU the two passes agree exactly.
+    assert " determinism to iteration 4: 'found NaN in local forward loss calculation': 4 samples, all " \
+           "identical" in out
+    assert sorted(launch.losses(out)) == [2, 4]
+
+
+_BASE = _args(4)
+
+
+def test_rerun_flags_default_to_megatrons():
+    args = parse_args(_BASE, world_size=2)
+    assert (args.rerun_mode, args.error_injection_rate, args.error_injection_type) == \
+        ("validate_results", 0, "transient_error")
+    assert args.check_for_nan_in_loss_and_grad and not args.check_for_spiky_loss
+
+
+@pytest.mark.parametrize("extra, flag", [
+    (["--error-injection-rate", "-1"], "--error-injection-rate"),
+    (["--error-injection-type", "persistent_error"], "--error-injection-type"),
+    (["--error-injection-rate", "5", "--rerun-mode", "disabled"], "--error-injection-rate"),
+    (["--error-injection-rate", "5", "--no-check-for-nan-in-loss-and-grad"], "--error-injection-rate"),
+    (["--rerun-mode", "report_stats", "--no-check-for-nan-in-loss-and-grad"], "--rerun-mode"),
+    (["--rerun-mode", "validate"], "--rerun-mode"),
+])
+def test_bad_rerun_flags_exit_2_with_one_line_naming_the_flag(extra, flag, capsys):
+    with pytest.raises(SystemExit) as exited:
+        parse_args([*_BASE, *extra], world_size=2)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("pretrain.py: error: ") and flag in err, err
