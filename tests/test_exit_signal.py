@@ -51,7 +51,8 @@ def test_sigterm_twice_during_evaluation_saves_that_iteration_and_the_loss_curve
     root, log = tmp_path / "ckpt", tmp_path / "run1.log"
     # Evaluation after iteration 3 takes a few seconds: the signals land inside it.
     extra = ["--save-interval", "100", "--log-interval", "1", "--eval-interval", "3", "--eval-iters", "150"]
-    proc = launch.start(_args(root, extra=extra), log_path=log)
+    # Same --train-iters in every run: the LR schedule, saved in the checkpoint, depends on it.
+    proc = launch.start(_args(root, iters=6, extra=extra), log_path=log)
     _wait_for(lambda: "iteration        3/" in log.read_text(), what="iteration 3, then its evaluation")
     _signal_job(proc, times=2)
     out = log.read_text()
