@@ -1,6 +1,7 @@
 """Job-level resiliency, measured on 2 ranks (gloo, loopback), each as a ratio within one run:
 
-    python benchmarks/bench_recovery.py            # full run (~10 minutes on an idle 2-core box)
+    python benchmarks/bench_recovery.py            # full run (~15 minutes on an idle 2-core box)
+    python benchmarks/bench_recovery.py --repeats 2  # the run recorded in BENCHMARKS.md
     python benchmarks/bench_recovery.py --quick    # smoke run, numbers not meaningful
 
 1. Recovery: wall time from a failure to the next completed iteration, for the same failure (an
@@ -110,7 +111,7 @@ def recover(way: str, workdir: str, hidden: int) -> float:
         shutil.rmtree(save, ignore_errors=True)
 
 
-def step_ms(with_ft: bool, workdir: str, hidden: int, iters: int, skip: int) -> float:
+def step_ms(with_ft: bool, hidden: int, iters: int, skip: int) -> float:
     ft = ["--enable-ft-package"] if with_ft else []
     out = _run([*_ft_launcher(0), PRETRAIN, *_model(hidden, iters), *ft])
     times = [float(ms) for it, ms in _STEP_MS.findall(out) if int(it) > skip]
@@ -124,8 +125,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--repeats", type=int, default=None, help="default: 1 with --quick, else 3")
     opts = parser.parse_args()
-    repeats, hidden, iters = (1, 64, 12) if opts.quick else (3, 256, 60)
+    repeats, hidden, iters = (1, 64, 12) if opts.quick else (3, 256, 40)
+    repeats = opts.repeats or repeats
     workdir = tempfile.mkdtemp(prefix="bench_recovery_", dir=opts.workdir)
     results: dict = {"repeats": repeats, "hidden": hidden}
     try:
@@ -143,7 +146,7 @@ def main() -> None:
         ratios = []
         for r in range(repeats):
             order = (True, False) if r % 2 == 0 else (False, True)
-            measured = {flag: step_ms(flag, workdir, hidden, iters, skip=5) for flag in order}
+            measured = {flag: step_ms(flag, hidden, iters, skip=5) for flag in order}
             ratios.append(measured[True] / measured[False])
             print(f"  step time with FT / without: {measured[True]:.1f} / {measured[False]:.1f} ms "
                   f"= {ratios[-1]:.3f}", flush=True)

@@ -53,10 +53,15 @@ class Optimizer:
         for p in self.model_params:
             p.grad = None
 
-    def step(self) -> float:
-        """Average gradients over data-parallel ranks, clip, update. Returns the global grad norm."""
+    def own_work_done(self) -> None:
+        """This rank's own work for the iteration ends here, before any collective (the straggler
+        timing's end point; later calls in the same iteration are no-ops there)."""
         if self.before_step is not None:
             self.before_step()
+
+    def step(self) -> float:
+        """Average gradients over data-parallel ranks, clip, update. Returns the global grad norm."""
+        self.own_work_done()
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.model_params]
         dp_group = parallel_state.get_data_parallel_group()
         if dist.get_world_size(dp_group) > 1:

@@ -130,6 +130,7 @@ def train_step(args, model, optimizer, scheduler, dataset, progress: TrainProgre
             (loss / args.num_microbatches).backward()
             total += loss.detach().cpu()
         step.check_grads(optimizer.model_params)
+        optimizer.own_work_done()  # before the rerun machine's agreement (the step's first collective)
     if (stop := step.verdict()) is not None:
         return float("nan"), float("nan"), stop
     grad_norm = optimizer.step()

@@ -50,8 +50,8 @@ def test_exception_on_one_rank_restarts_every_rank_in_the_same_processes_and_the
     # One restart, reported once by rank 0, naming the rank and its exception.
     restarts = [line for line in out.splitlines() if line.startswith("[resil] restart:")]
     assert len(restarts) == 1, restarts
-    assert ("in-process restart 1: rank 1 raised RuntimeError: injected fault: exception on rank 1 at "
-            "iteration 5; every rank trains again in the same processes") in restarts[0]
+    assert ("in-process restart 1 of at most 3: rank 1 raised RuntimeError: injected fault: exception on "
+            "rank 1 at iteration 5; every rank trains again in the same processes") in restarts[0]
     events = _events(save)
     [restart] = _named(events, "restart")
     assert (restart["count"], restart["kind"], restart["failed_ranks"]) == (1, "inprocess", [1])
