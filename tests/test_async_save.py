@@ -106,19 +106,22 @@ def _strike_workers(proc: subprocess.Popen, signals: list[int], struck: list) ->
             time.sleep(0.05)
 
 
-def test_a_stuck_then_a_dead_worker_are_reported_and_training_continues(tmp_path):
-    """A worker stopped with SIGSTOP (stuck), then its replacement killed with kill -9 (dead)."""
+@pytest.mark.parametrize("sig,expected", [
+    (signal.SIGSTOP, "did not finish within --async-save-timeout-secs 8 and was killed"),
+    (signal.SIGKILL, "died, exit code -9"),
+], ids=["stuck-worker", "killed-worker"])
+def test_a_stuck_or_dead_worker_is_reported_and_training_continues(tmp_path, sig, expected):
     root = tmp_path / "ckpt"
     log = tmp_path / "run.log"
-    # Slow iterations, so that saves keep coming after each strike.
-    proc = launch.start(_args(root, 24, ["--async-save-timeout-secs", "8", "--inject-fault", "slow",
+    # Slow iterations, so that saves keep coming after the strike.
+    proc = launch.start(_args(root, 12, ["--async-save-timeout-secs", "8", "--inject-fault", "slow",
                                          "--inject-fault-iteration", "1", "--inject-fault-slow-secs", "0.3"]),
                         log_path=log)
     struck: list[int] = []
-    striker = threading.Thread(target=_strike_workers, args=(proc, [signal.SIGSTOP, signal.SIGKILL], struck))
+    striker = threading.Thread(target=_strike_workers, args=(proc, [sig], struck))
     striker.start()
     try:
-        assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
+        assert proc.wait(timeout=240) == 0, log.read_text()[-3000:]
     finally:
         striker.join()
         if proc.poll() is None:
@@ -129,16 +132,14 @@ def test_a_stuck_then_a_dead_worker_are_reported_and_training_continues(tmp_path
             except ProcessLookupError:
                 pass
     out = log.read_text()
-    assert len(struck) == 2, f"workers struck: {struck}\n{out[-3000:]}"
+    assert struck, "no async worker appeared"
     reported = [line for line in out.splitlines() if line.startswith("[resil] save: async")]
-    assert any("did not finish within --async-save-timeout-secs 8 and was killed" in line
-               for line in reported), out[-3000:]
-    assert any("died, exit code -9" in line or "had died, exit code -9" in line for line in reported), \
+    assert reported and any(expected in line or "had died, exit code -9" in line for line in reported), \
         out[-3000:]
     # Later saves went through a fresh worker; everything published is complete.
-    assert "successfully saved checkpoint from iteration      24" in out
+    assert "successfully saved checkpoint from iteration      12" in out
     published = layout.published_iterations(str(root))
-    assert published[0] == 24 and len(published) >= 2, published
+    assert published[0] == 12 and len(published) >= 2, published
     assert _verify(root).returncode == 0
     assert not any(layout.leftovers(str(root)).values())
 
