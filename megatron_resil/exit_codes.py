@@ -9,3 +9,7 @@ SIGNAL_DEADLINE = 6  # --exit-signal arrived but the save missed --exit-signal-g
 UNRECOVERABLE = 8  # a fault reproduced after bounded retries and fallbacks; do not requeue (see README)
 RERUN_RESUME = 16  # megatron-core's rerun state machine: resume from the checkpoint to disambiguate
 RERUN_FAILED_VALIDATION = 17  # megatron-core's rerun state machine: the result failed validation
+
+# The same command would fail the same way: launch scripts stop instead of requeueing, and under ft_launcher
+# the ranks ask it not to restart them (NVRx's ShutdownWorkload). 2 is caught before any rank starts.
+DO_NOT_RETRY = frozenset({BAD_ARGUMENTS, NO_CHECKPOINT, UNRECOVERABLE, RERUN_FAILED_VALIDATION})

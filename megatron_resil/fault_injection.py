@@ -28,9 +28,10 @@ class FaultInjector:
         self._struck = False
         self._slowing = False
 
-    def _strike(self, what: str) -> bool:
-        """True if this rank should inject now; records it first so a restart does not repeat it."""
-        if self._struck:
+    def _strike(self, what: str, every_pass: bool = False) -> bool:
+        """True if this rank should inject now; records it first so a restart does not repeat it.
+        `every_pass`: also on a second pass in this process (a rerun of the step)."""
+        if self._struck and not every_pass:
             return False
         marker = (os.path.join(self.marker_dir, f"{self.kind}-iter{self.iteration}-rank{parallel.rank()}")
                   if self.marker_dir else None)
@@ -72,8 +73,10 @@ class FaultInjector:
                 time.sleep(3600)
 
     def poison_loss(self, loss: torch.Tensor, iteration: int) -> torch.Tensor:
+        # With --inject-fault-repeat a NaN strikes every pass of its iteration, its rerun in place included,
+        # as a bad device or bad data would: the fault the rerun state machine reproduces.
         if self.here and self.kind == "nan-loss" and iteration == self.iteration and \
-                self._strike(f"into the loss of iteration {iteration}"):
+                self._strike(f"into the loss of iteration {iteration}", every_pass=self.repeat):
             return loss * float("nan")
         if self.here and self.kind == "spiky-loss" and iteration == self.iteration and \
                 self._strike(f"into the loss of iteration {iteration}"):

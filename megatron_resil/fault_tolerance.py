@@ -94,6 +94,9 @@ class FaultTolerance:
     def close(self) -> None:
         """End of training (all ranks): last timeout update, then disconnect from the monitor."""
 
+    def job_ending(self, exit_code: int) -> None:
+        """This rank is about to exit with `exit_code` (after close, or from set-up)."""
+
 
 class MonitoredRank(FaultTolerance):
     """With --enable-ft-package: this rank's phases reported to its rank monitor."""
@@ -283,6 +286,24 @@ class MonitoredRank(FaultTolerance):
         if self.config.calc_timeouts:
             self._update_timeouts(closing=True)
         self.client.shutdown_workload_monitoring()
+
+    def job_ending(self, exit_code: int) -> None:
+        """ft_launcher restarts the workers after any failure, up to --max-restarts: for a code that says the
+        same command would fail the same way (8: a fault reproduced from every checkpoint; 3; 17) each of
+        those restarts is wasted. Each rank asks its launcher to close the rendezvous instead."""
+        if exit_code not in exit_codes.DO_NOT_RETRY:
+            return
+        from nvidia_resiliency_ext.fault_tolerance.data import WorkloadAction, WorkloadControlRequest
+
+        try:
+            self.client.send_workload_control_request(WorkloadControlRequest(
+                WorkloadAction.ShutdownWorkload, f"exit code {exit_code}: do not retry"))
+        except (OSError, RuntimeError) as err:
+            events.warn(f"could not ask ft_launcher not to restart the workers ({type(err).__name__}: "
+                        f"{err}); it may restart them up to --max-restarts, each failing the same way")
+            return
+        events.decision("ft", f"exit code {exit_code} means a restart would fail the same way: asked "
+                        "ft_launcher not to restart the workers (ShutdownWorkload)", exit_code=exit_code)
 
 
 def floor_timeouts(state: Mapping, floor: float) -> tuple[dict, list[str]]:

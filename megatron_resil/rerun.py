@@ -75,13 +75,37 @@ _config = RerunConfig()
 
 @dataclass(frozen=True)
 class RerunStop:
-    """The machine ends the job after a step that is not taken (same fields as stop_conditions.Stop)."""
+    """The machine ends the job after a step that is not taken (same fields as stop_conditions.Stop).
+    Announced by the training loop's escape hatch (rerun_escape.py), which may overrule it."""
 
     reason: str
     exit_code: int
     requeue: bool
     checkpoint: bool  # save the iteration before the step, the machine's state in it
-    verdict: str  # transient, reproduced, same-device or failed-elsewhere (see StepValidation._outcome)
+    # transient, reproduced, same-device or failed-elsewhere (StepValidation._outcome); unrecoverable
+    verdict: str
+    iteration: int = 0  # the step not taken
+    findings: tuple[str, ...] = ()
+
+    def action(self) -> str:
+        previous = self.iteration - 1
+        if not self.checkpoint:
+            if self.exit_code != EXIT_CODE_RESUME_TO_DISAMBIGUATE:
+                return f"exiting with code {self.exit_code}"
+            return f"exiting with code {self.exit_code} (the checkpoint of iteration {previous} is the one " \
+                   "to resume)"
+        if _config.save is None:
+            return f"exiting with code {self.exit_code}; no --save to hold the checkpoint of iteration " \
+                   f"{previous}"
+        return f"saving the checkpoint of iteration {previous} (the step is not taken) and exiting with " \
+               f"code {self.exit_code}"
+
+    def announce(self, note: str = "") -> None:
+        """The one log line and event-log records of this stop; `note`: what the escape hatch adds."""
+        events.decision("rerun", f"{self.reason}{note}; {self.action()}", iteration=self.iteration,
+                        exit_code=self.exit_code, verdict=self.verdict, findings=list(self.findings))
+        events.record("exit", message=self.reason, iteration=self.iteration - 1, exit_code=self.exit_code,
+                      requeue=self.requeue)
 
 
 def initialize(config: RerunConfig) -> None:
@@ -99,6 +123,12 @@ def initialize(config: RerunConfig) -> None:
         # megatron-core 0.16.1's own report reads Caller.filename, which Caller lacks (AttributeError on
         # rank 0 at the first report), and logs at INFO, which nothing shows. StepValidation reports instead.
         get_rerun_state_machine()._maybe_report_stats = lambda: None
+
+
+def reset() -> None:
+    """A fresh machine with this run's configuration: after the escape hatch loaded an older checkpoint,
+    nothing of the abandoned rerun may carry over."""
+    initialize(_config)
 
 
 class _ErrorInjector(RerunErrorInjector):
@@ -225,7 +255,8 @@ class StepValidation:
             self._finding.rerun_value = _as_float(result)
 
     def verdict(self) -> RerunStop | None:
-        """The machine's decision after the loop: None to take the step, else a stop (logged once)."""
+        """The machine's decision after the loop: None to take the step, else a stop (announced by the
+        training loop, see RerunStop.announce)."""
         machine = self.machine
         checkpoint, should_exit, code = machine.should_checkpoint_and_exit()
         if machine.mode == RerunMode.REPORT_DETERMINISM_STATS:
@@ -241,19 +272,9 @@ class StepValidation:
             events.decision("rerun", f"{reason}; continuing", iteration=self.iteration, verdict=verdict,
                             findings=findings)
             return None
-        previous = self.iteration - 1
-        if not checkpoint:
-            action = f"exiting with code {code} (the checkpoint of iteration {previous} is the one to resume)"
-        elif _config.save is None:
-            action = f"exiting with code {code}; no --save to hold the checkpoint of iteration {previous}"
-        else:
-            action = f"saving the checkpoint of iteration {previous} (the step is not taken) and exiting " \
-                     f"with code {code}"
-        requeue = code == EXIT_CODE_RESUME_TO_DISAMBIGUATE
-        events.decision("rerun", f"{reason}; {action}", iteration=self.iteration, exit_code=code,
-                        verdict=verdict, findings=findings)
-        events.record("exit", message=reason, iteration=previous, exit_code=code, requeue=requeue)
-        return RerunStop(reason, code, requeue=requeue, checkpoint=checkpoint, verdict=verdict)
+        return RerunStop(reason, code, requeue=code == EXIT_CODE_RESUME_TO_DISAMBIGUATE,
+                         checkpoint=checkpoint, verdict=verdict, iteration=self.iteration,
+                         findings=tuple(findings))
 
     def _outcome(self, state: RerunState, should_exit: bool, code: int) -> tuple[str, str]:
         """(verdict, what it means) from the machine's state after the loop."""

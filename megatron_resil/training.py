@@ -18,6 +18,7 @@ from megatron_resil.fault_tolerance import FaultTolerance, report_restart
 from megatron_resil.model import build_model
 from megatron_resil.optimizer import Optimizer, build_scheduler
 from megatron_resil.progress import TrainProgress
+from megatron_resil.rerun_escape import RerunEscape
 from megatron_resil.stop_conditions import StopConditions
 from megatron_resil.straggler import StragglerDetection
 from megatron_resil.tokenizer import build_tokenizer
@@ -26,6 +27,16 @@ from megatron_resil.train_log import TrainLogger
 
 def pretrain(args: argparse.Namespace) -> int:
     ft = FaultTolerance.from_args(args)  # first: a hang anywhere in set-up is caught from here on
+    try:
+        code = _pretrain(args, ft)
+    except SystemExit as stop:  # decided in set-up: nothing loadable under --load (exit 3)
+        ft.job_ending(stop.code if isinstance(stop.code, int) else 1)
+        raise
+    ft.job_ending(code)  # under ft_launcher, a code that must not be retried ends the in-job restarts too
+    return code
+
+
+def _pretrain(args: argparse.Namespace, ft: FaultTolerance) -> int:
     cpu_compat.apply_if_needed()
     parallel.initialize(args)
     events.configure(args.save)
@@ -56,6 +67,7 @@ def pretrain(args: argparse.Namespace) -> int:
 def train(args, model, optimizer, scheduler, checkpoints, progress: TrainProgress,
           train_ds, valid_ds, faults: FaultInjector, ft: FaultTolerance) -> int:
     logger, stops, stop = TrainLogger(args), StopConditions(args), None
+    escape = RerunEscape.from_args(args)  # bounds the rerun state machine's same-device retries
     stragglers = StragglerDetection.from_args(args, optimizer)  # times each rank up to optimizer.step()
     events.print_rank_0(f"training from iteration {progress.iteration} to {args.train_iters}")
     while progress.iteration < args.train_iters:
@@ -64,8 +76,11 @@ def train(args, model, optimizer, scheduler, checkpoints, progress: TrainProgres
             faults.before_iteration(progress.iteration + 1)
             loss, grad_norm, stop = train_step(args, model, optimizer, scheduler, train_ds, progress, faults,
                                                nan_checks=not checkpoints.canary_watching)
-        if stop is not None:  # the rerun state machine ends the job; this step was not taken
-            break
+        if stop is not None:  # the rerun state machine would end the job; this step was not taken
+            progress, stop = escape.judge(stop, progress, checkpoints)  # or fall back to an older checkpoint
+            if stop is not None:
+                break
+            continue
         progress.iteration += 1
         progress.consumed_train_samples += args.global_batch_size
         logger.training_step(progress.iteration, progress.consumed_train_samples,
@@ -73,6 +88,7 @@ def train(args, model, optimizer, scheduler, checkpoints, progress: TrainProgres
         if (reloaded := checkpoints.check_canary(progress, loss, grad_norm)) is not None:
             progress = reloaded  # the non-persistent checkpoint was bad: back to a persistent one
             continue
+        escape.step_taken(progress.iteration)  # after the canary: a step it rejects passed nothing
         if valid_ds is not None and args.eval_iters and progress.iteration % args.eval_interval == 0:
             logger.validation(progress.iteration, evaluate(args, model, valid_ds, progress))
             logger.restart_interval()

@@ -1,6 +1,7 @@
-"""The node-local tier (--non-persistent-ckpt-type local) under real torchrun runs: node loss with
-replication, corruption of own shards, replicas and manifests, and a NaN written with consistent
-checksums (the canary). Every fault is done to the real files on disk."""
+"""The node-local tier (--non-persistent-ckpt-type local) under real torchrun runs: corruption of own
+shards, replicas and manifests, done to the real files on disk. Node loss with replication, a corrupted
+replica and a NaN written with consistent checksums (the canary) are the node-loss drill's variants
+(tests/test_node_loss_drill.py); an exact resume through a replica is in tests/test_async_save.py."""
 
 from __future__ import annotations
 
@@ -11,11 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-from megatron_resil.checkpointing.sealed_shard import SealedShard
 from tests import launch
 
 pytestmark = pytest.mark.slow
@@ -38,27 +35,6 @@ def _killed_after_local_save(root: Path, nproc: int, jump: int) -> dict:
     assert "successfully saved local checkpoint from iteration       6" in run.stdout, run.stdout[-3000:]
     assert (root / "save" / "iter_0000005").is_dir()
     return launch.losses(run.stdout)
-
-
-def test_node_loss_resumes_from_replicas_and_continues_exactly(tmp_path):
-    """4 ranks as 2 nodes (ranks 0,1 and 2,3), copies 2 ranks apart: node 2's directories deleted."""
-    reference = _killed_after_local_save(tmp_path, nproc=4, jump=2)
-    for rank in (2, 3):
-        shutil.rmtree(tmp_path / "local" / str(rank))
-    # A crashed save's leftover must not block the next save of that iteration (it does in NVRx).
-    (tmp_path / "local" / "0" / "iter_0000009_0_local.dirty.pt").write_bytes(b"torn")
-    result = launch.run(_args(tmp_path, 9, 4, 2), nproc=4)
-    assert result.returncode == 0, result.stdout[-3000:]
-    out = result.stdout
-    assert "shards fetched from replicas: rank 2 from rank 0, rank 3 from rank 1" in out
-    assert "[resil] load: accepted local iteration 6" in out
-    assert "at iteration 6 (local tier" in out
-    resumed = launch.losses(out)
-    assert resumed[7] == reference[7] and resumed[8] == reference[8]
-    assert "successfully saved local checkpoint from iteration       9" in out
-    for rank in range(4):  # the lost node's directories hold their shards again, one iteration kept
-        names = sorted(p.name for p in (tmp_path / "local" / str(rank)).glob("iter_*_local.pt"))
-        assert names == sorted(f"iter_0000009_{owner}_local.pt" for owner in (rank, (rank + 2) % 4))
 
 
 @pytest.fixture(scope="module")
@@ -89,9 +65,9 @@ def _shard(root: Path, holder: int, owner: int) -> Path:
 
 
 def _resume(root: Path) -> str:
-    result = launch.run(_args(root, 8, 2, 1))
+    result = launch.run(_args(root, 9, 2, 1))
     assert result.returncode == 0, result.stdout[-3000:]
-    assert sorted(launch.losses(result.stdout))[-1] == 8
+    assert sorted(launch.losses(result.stdout))[-1] == 9
     return result.stdout
 
 
@@ -99,6 +75,8 @@ def test_bad_copies_are_set_aside_and_each_rank_uses_a_verified_one(two_ranks_cr
     root = _copy(two_ranks_crashed, tmp_path)
     _flip(_shard(root, holder=1, owner=1))  # rank 1's own shard: its replica on rank 0 must serve
     _truncate(_shard(root, holder=1, owner=0))  # a replica: rank 0's own copy is used
+    # A crashed save's leftover must not block the next save of that iteration (it does in NVRx).
+    (root / "local" / "0" / "iter_0000009_0_local.dirty.pt").write_bytes(b"torn")
     out = _resume(root)
     assert "rank 1's copy of rank 1's shard rejected (fails its owner's checksum" in out
     assert "rank 1's copy of rank 0's shard rejected (" in out
@@ -106,6 +84,10 @@ def test_bad_copies_are_set_aside_and_each_rank_uses_a_verified_one(two_ranks_cr
     assert "[resil] load: accepted local iteration 6" in out
     assert sorted(p.name for p in (root / "local" / "1" / "quarantined").glob("*.pt")) == \
         ["iter_0000006_0_local.pt", "iter_0000006_1_local.pt"]
+    assert "successfully saved local checkpoint from iteration       9" in out
+    for rank in range(2):  # one iteration kept, own shard and the peer's copy
+        names = sorted(p.name for p in (root / "local" / str(rank)).glob("iter_*_local.pt"))
+        assert names == sorted(f"iter_0000009_{owner}_local.pt" for owner in (0, 1))
 
 
 def test_no_verified_copy_anywhere_moves_every_rank_to_the_persistent_checkpoint(two_ranks_crashed, tmp_path):
@@ -135,36 +117,3 @@ def test_no_verified_copy_anywhere_moves_every_rank_to_the_persistent_checkpoint
         kept = root / "local" / str(holder) / "quarantined"
         assert sorted(p.name for p in kept.glob("iter_0000006_*_local.pt")) == \
             ["iter_0000006_0_local.pt", "iter_0000006_1_local.pt"], holder
-
-
-def _poison(path: Path) -> None:
-    """Rewrite a shard with NaN in one weight and a manifest that matches it, as NVRx #349 saw."""
-    meta = json.loads(Path(str(path) + ".manifest.json").read_text())
-    shard = SealedShard(torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8), meta)
-    state = shard.unseal()
-    weight = next(t for t in nested_values(state.sharded_state_dict)
-                  if isinstance(t, ShardedTensor) and t.data is not None and "weight" in t.key
-                  and not t.key.startswith("optimizer"))
-    with torch.no_grad():
-        weight.data.view(-1)[0] = float("nan")
-    resealed = SealedShard.seal(state, iteration=meta["iteration"], owner=meta["owner"])
-    path.write_bytes(resealed.payload.numpy().tobytes())
-    Path(str(path) + ".manifest.json").write_text(json.dumps({**resealed.meta, "format": "sealed-v1"}))
-
-
-def test_nan_written_with_consistent_checksums_trips_the_canary_once(two_ranks_crashed, tmp_path):
-    root = _copy(two_ranks_crashed, tmp_path)
-    for holder in (0, 1):
-        _poison(_shard(root, holder=holder, owner=0))
-    poisoned = _shard(root, holder=0, owner=0).read_bytes()
-    out = _resume(root)
-    assert "[resil] load: accepted local iteration 6" in out  # checksums cannot know
-    assert "[resil] canary: local iteration 6 is bad although it verified: non-finite loss" in out
-    assert "[resil] load: accepted persistent iteration 5" in out
-    # The run completed from the persistent checkpoint with finite losses again.
-    final = launch.losses(out)[8]
-    assert final[0] != "nan" and "nan" not in final[1].lower()
-    reasons = list((root / "local" / "0" / "quarantined").glob("*.REASON.txt"))
-    assert reasons and "canary" in reasons[0].read_text()
-    # The poisoned bytes are nowhere the loader looks; a restart cannot pick them up again.
-    assert all(p.read_bytes() != poisoned for p in (root / "local").glob("*/iter_*_local.pt"))

@@ -88,16 +88,16 @@ def test_transient_error_on_the_nan_checks_saves_exits_17_and_the_checkpoint_res
 
 def test_persistent_error_exits_16_and_the_same_command_on_the_same_host_exits_16_again(tmp_path):
     """Reproduced in place: save and exit 16 to rerun on another device. Resumed on the same host and
-    device, megatron-core exits 16 again without a checkpoint, every time (the endless loop under in-job
-    restarts: the escape hatch's business, not this one's)."""
+    device, megatron-core exits 16 again without a checkpoint; our escape hatch counts that retry."""
     root = tmp_path / "ckpt"
     args = _args(6, *_saving(root), "--error-injection-rate", "8",
-                 "--error-injection-type", "persistent_error")
+                 "--error-injection-type", "persistent_error", "--rerun-max-same-device-retries", "1")
     first = launch.run(args).stdout
     assert "exitcode  : 16" in first, first[-3000:]
     step, line = next((int(m.group(1)), m.group(2)) for m in _RERUN.finditer(first))
     assert "injected persistent_error" in line and line.endswith(
         f"saving the checkpoint of iteration {step - 1} (the step is not taken) and exiting with code 16")
+    assert "retries of it are bounded by --rerun-max-same-device-retries 1" in line
     saved = _machine_state(root, step - 1)
     assert saved["state"] == RerunState.WILL_RERUN_FROM_CHECKPOINT and len(saved["per_rank"]) == 2
     assert socket.gethostname() in {rank["suspicious_node"] for rank in saved["per_rank"]}
@@ -107,12 +107,42 @@ def test_persistent_error_exits_16_and_the_same_command_on_the_same_host_exits_1
     assert f"[resil] rerun: resuming the rerun of iteration {step} that the previous job asked for" in again
     line = next(m.group(2) for m in _RERUN.finditer(again))
     assert f"resumed on the node and device that produced it ({socket.gethostname()}, device " in line
-    assert line.endswith(f"exiting with code 16 (the checkpoint of iteration {step - 1} is the one to "
-                         "resume)")
+    assert line.endswith("same-device retry 1 of 1 (--rerun-max-same-device-retries); exiting with code 16 "
+                         f"(the checkpoint of iteration {step - 1} is the one to resume)")
     assert layout.published_iterations(str(root)) == [step - 1]  # no new checkpoint
     assert [(e["exit_code"], e["requeue"]) for e in _events(root, "exit")] == [(16, True), (16, True)]
-    # What a bound on same-device retries (the escape hatch) counts, from the event log across restarts:
-    assert [e["verdict"] for e in _events(root, "rerun") if "verdict" in e] == ["reproduced", "same-device"]
+    ledger = json.loads((root / "rerun_escape.json").read_text())
+    assert (ledger["fault_iteration"], ledger["same_device_retries"], ledger["status"]) == (step, 1, "open")
+
+
+def test_a_nan_reproducing_from_every_checkpoint_falls_back_once_then_exits_8(tmp_path):
+    """The escape hatch with no same-device retry allowed: the second job falls back to the persistent
+    checkpoint before the diagnostic one, meets the NaN again and stops with exit 8; the diagnostic
+    checkpoint is kept as it was, and a third job would not loop either (it counts from the ledger)."""
+    root = tmp_path / "ckpt"
+    args = _args(6, "--save", str(root), "--load", str(root), "--save-interval", "2",
+                 "--inject-fault", "nan-loss", "--inject-fault-iteration", "5", "--inject-fault-repeat",
+                 "--rerun-max-same-device-retries", "0")
+    first = launch.run(args).stdout
+    assert "exitcode  : 16" in first, first[-3000:]
+    assert _machine_state(root, 4)["state"] == RerunState.WILL_RERUN_FROM_CHECKPOINT
+
+    second = launch.run(args).stdout
+    assert "exitcode  : 8" in second, second[-3000:]
+    assert "the 0 same-device retries (--rerun-max-same-device-retries) are used up: instead of exiting 16 " \
+           "again, falling back to the newest verified persistent checkpoint older than iteration 4" in second
+    assert "[resil] load: accepted persistent iteration 2" in second
+    assert "[resil] save: not saving iteration 4: its diagnostic checkpoint" in second
+    line = [m.group(2) for m in _RERUN.finditer(second)][-1]
+    assert "it reproduced again after the fallback from the checkpoint of iteration 4 to the persistent " \
+           "one of iteration 2: it follows neither the device nor the checkpoint" in line
+    assert "Look at the data of iteration 5" in line
+    assert line.endswith("(do not requeue); exiting with code 8")
+    assert sorted(launch.losses(second)) == [3, 4]  # trained again from the fallback, up to the fault
+    assert _machine_state(root, 4)["state"] == RerunState.WILL_RERUN_FROM_CHECKPOINT  # kept as it was
+    ledger = json.loads((root / "rerun_escape.json").read_text())
+    assert (ledger["fallback_iteration"], ledger["status"]) == (2, "unrecoverable")
+    assert [e["exit_code"] for e in _events(root, "exit")] == [16, 8]
 
 
 def test_megatrons_report_stats_spelling_runs_report_determinism_stats():

@@ -14,7 +14,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--inject-fault", choices=KINDS, default=None,
                    help="kill: SIGKILL itself; exception: raise; sigterm: signal itself; hang: stop "
                         "making progress; slow: sleep every iteration from then on; nan-loss: NaN loss "
-                        "at that iteration; spiky-loss: that iteration's loss x1000 (once: its rerun sees "
+                        "at that iteration (with --inject-fault-repeat: on every pass of it, reruns too); "
+                        "spiky-loss: that iteration's loss x1000 (once: its rerun sees "
                         "the true loss); crash-mid-save: die after writing the shards of the first "
                         "save at or after that iteration, before it is published")
     g.add_argument("--inject-fault-iteration", type=int, default=None,

@@ -29,6 +29,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
                    action="store_false",
                    help="do not validate each microbatch loss and the local grad norm for NaN and Inf")
+    g.add_argument("--rerun-max-same-device-retries", type=int, default=2,
+                   help="ours (Megatron has no bound): after a fault reproduced in place and exit 16, "
+                        "how many times the job may resume on the same node and device and fail again; "
+                        "then it falls back to the newest verified persistent checkpoint older than the "
+                        "diagnostic one, and if the fault reproduces from there too it exits 8 (do not "
+                        "requeue). Counted in <save>/rerun_escape.json across restarts and requeues")
     g.add_argument("--check-for-spiky-loss", action="store_true",
                    help="reject a microbatch loss 10x above the largest of the job's first 100 (not fatal)")
 
@@ -40,6 +46,9 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
             print("pretrain.py: note: --rerun-mode report_stats is Megatron-LM's spelling (which fails "
                   "there); running report_determinism_stats", flush=True)
     checks = args.check_for_nan_in_loss_and_grad or args.check_for_spiky_loss
+    if args.rerun_max_same_device_retries < 0:
+        raise ArgumentError("--rerun-max-same-device-retries must not be negative (0: fall back at the first "
+                            "same-device failure)")
     if args.error_injection_rate < 0:
         raise ArgumentError("--error-injection-rate must not be negative (0: no injection)")
     if args.error_injection_type is not None and not args.error_injection_rate:

@@ -42,19 +42,22 @@ def _one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {first_line}"
 
 
-def newest_first(tiers: list[CheckpointTier]):
+def newest_first(tiers: list[CheckpointTier], older_than: int | None = None):
     """Merge the tiers' lists by iteration, newest first, keeping each tier's own order (its tracker's
-    pick first) and, at equal iterations, the order of `tiers` (most trusted first)."""
-    queues = [(tier, list(tier.candidates())) for tier in tiers]
+    pick first) and, at equal iterations, the order of `tiers` (most trusted first); `older_than`: only
+    candidates of earlier iterations."""
+    queues = [(tier, [c for c in tier.candidates() if older_than is None or c.iteration < older_than])
+              for tier in tiers]
     while any(candidates for _, candidates in queues):
         tier, candidates = max((q for q in queues if q[1]), key=lambda q: q[1][0].iteration)
         yield tier, candidates.pop(0)
 
 
-def load_first_verified(tiers: list[CheckpointTier],
-                        make_template: Callable[[TierCandidate, dict], dict]) -> LoadResult | None:
-    """`tiers` in order of trust; candidates are tried newest first across all of them."""
-    for tier, candidate in newest_first(tiers):
+def load_first_verified(tiers: list[CheckpointTier], make_template: Callable[[TierCandidate, dict], dict],
+                        older_than: int | None = None) -> LoadResult | None:
+    """`tiers` in order of trust; candidates are tried newest first across all of them (those of
+    iterations before `older_than` only, if given)."""
+    for tier, candidate in newest_first(tiers, older_than):
         where = f"{candidate.tier} iteration {candidate.iteration} ({candidate.path})"
         reason = tier.verify(candidate)
         if not parallel.all_ranks_agree(reason is None):

@@ -84,6 +84,7 @@ class CheckpointManager:
         self.canary = LoadCanary(config.canary_iters)
         self.async_saves = AsyncSaves(config.async_timeout_secs) if config.async_save else None
         self.last_saved_iteration: int | None = None
+        self.kept_diagnostic: int | None = None  # after a rerun fallback: never overwrite this iteration
         self._load_optim, self._load_rng = config.load_optim, config.load_rng
         for tier in (self.save_tier, self.non_persistent_tier):
             if tier is not None:
@@ -126,6 +127,30 @@ class CheckpointManager:
             events.decision("load", f"no checkpoint under --load {self.config.load}; "
                             "starting from random initialisation at iteration 0", verdict="none", iteration=0)
             return TrainProgress()
+        progress = self._restore(result)
+        if result.candidate.tier != "persistent" and not self.config.finetune:
+            self.canary.arm(self._tier_named(result.candidate.tier, tiers), result.candidate,
+                            progress.iteration)
+        return progress
+
+    def fall_back(self, older_than: int) -> TrainProgress | None:
+        """The rerun escape hatch's load: the newest verified persistent checkpoint of an iteration before
+        `older_than` (non-persistent tiers skipped), or None if there is none. Collective."""
+        if self.async_saves is not None:
+            self.async_saves.wait()  # a save still in flight would publish a newer iteration after it
+        if self.config.load is None:
+            return None
+        # Training passes that iteration again: its save would replace the diagnostic checkpoint, which
+        # holds the rerun state machine's findings, with an ordinary one.
+        self.kept_diagnostic = older_than
+        persistent = GlobalTier(self.config.load, verify_checksums=self.config.verify_checksums)
+        try:
+            result = loader.load_first_verified([persistent], self._template_for, older_than=older_than)
+        except loader.CheckpointLoadError as err:
+            self._exit_no_checkpoint(str(err))
+        return None if result is None else self._restore(result)
+
+    def _restore(self, result: loader.LoadResult) -> TrainProgress:
         progress = state.restore(result.state, self.model, self.optimizer, self.scheduler,
                                  load_optimizer=self._load_optim, load_rng=self._load_rng,
                                  finetune=self.config.finetune)
@@ -138,9 +163,6 @@ class CheckpointManager:
         if progress.iteration and result.candidate.tier == "persistent" and \
                 _same_dir(self.config.load, self.config.save):
             self.last_saved_iteration = progress.iteration  # already on disk; don't re-save it
-        if result.candidate.tier != "persistent" and not self.config.finetune:
-            self.canary.arm(self._tier_named(result.candidate.tier, tiers), result.candidate,
-                            progress.iteration)
         return progress
 
     @staticmethod
@@ -218,6 +240,11 @@ class CheckpointManager:
         if final and self.async_saves is not None:
             self.async_saves.close()
         if self.save_tier is None or self.last_saved_iteration == progress.iteration:
+            return False
+        if progress.iteration == self.kept_diagnostic and _same_dir(self.config.load, self.config.save):
+            events.decision("save", f"not saving iteration {progress.iteration}: its diagnostic checkpoint "
+                            "(saved for the rerun state machine before the fallback) is kept as it is",
+                            tier=self.save_tier.name, iteration=progress.iteration)
             return False
         self._save_to(self.save_tier, progress, use_async=not final)
         return True

@@ -1,0 +1,334 @@
+#!/usr/bin/env python3
+"""The node-loss drill: Megatron-LM #5281 on one machine, with the failures injected for real.
+
+4 ranks as 2 simulated nodes (two ft_launcher agents on loopback, 2 ranks each, every node with its own
+local checkpoint directory), a tiny megatron-core GPT on CPU, local checkpoints every 2 iterations with
+replication factor 2 (each shard's copy on the other node), global ones every 6. Mid-run node 1 is lost:
+its launcher and ranks are killed with SIGKILL and its local directory is deleted; a replacement node
+joins, as Slurm would give one, and ft_launcher restarts the workers. Variants:
+
+  a  replicas intact: node 1's shards come from their replicas on node 0; the run completes.
+  b  a replica corrupted at rest (one flipped byte): its checksum rejects it; the global checkpoint is
+     loaded; the run completes.
+  c  a replica rewritten with a NaN weight and consistent checksums: it loads, the loss turns NaN, the
+     canary quarantines it and loads the global checkpoint; the run completes.
+  d  a NaN that reproduces on the same device from every checkpoint (iteration 17, every pass): exit 16
+     with a diagnostic checkpoint, one same-device retry (--rerun-max-same-device-retries 1), the fallback
+     to an older global checkpoint, the NaN again, and a stop with exit code 8 (do not requeue).
+
+    python scripts/node_loss_drill.py --variant a [--workdir DIR] [--timeout SECS]
+
+Everything goes under --workdir (default: a new directory under the system's temp dir): the checkpoints,
+each node's launcher log, the event log, the ledger and timeline.png. The drill prints a summary (exit
+code, restarts, iterations recomputed, wall time lost, recovery time from the node loss to the first
+completed iteration after it) and exits 0 if the variant ended as it should, 1 if not, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a checkout, installed or not
+
+from megatron_resil.tools import timeline  # noqa: E402 - after the path above
+
+VARIANTS = {
+    "a": "replicas intact",
+    "b": "a replica corrupted at rest",
+    "c": "a replica with a NaN weight and consistent checksums",
+    "d": "a NaN that reproduces on the same device from every checkpoint",
+}
+NODES, RANKS_PER_NODE = 2, 2
+LOST_NODE = 1  # not node 0: its launcher hosts the rendezvous store, and a job dies with its store
+LOSS_ITERATION = 9  # a/b/c: node 1's ranks stop before it (its local checkpoint of 8 is complete)
+NAN_ITERATION = 17  # d
+MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+         "--max-position-embeddings", "32", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128"]
+TRAINING = ["--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3", "--min-lr", "1e-4",
+            "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--mock-data", "--log-interval", "1",
+            "--eval-interval", "1000", "--eval-iters", "1"]
+FT = ["--ft-rank-section-timeouts", "setup:180,step:30,checkpointing:90", "--ft-rank-out-of-section-timeout",
+      "120", "--ft-workload-check-interval", "1"]
+
+
+class DrillError(RuntimeError):
+    """The drill could not run as planned (not the run's outcome): one line for the operator."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def _signal_tree(pid: int, sig: int, include_root: bool = True) -> None:
+    for target in [*_descendants(pid), *([pid] if include_root else [])]:
+        try:
+            os.kill(target, sig)
+        except ProcessLookupError:
+            pass
+
+
+class Drill:
+    def __init__(self, variant: str, work: Path, timeout: float) -> None:
+        self.variant, self.work, self.deadline = variant, work, time.monotonic() + timeout
+        self.save = work / "checkpoints"
+        self.port = _free_port()
+        self.nodes: dict[int, subprocess.Popen] = {}
+        self.loss_unix: float | None = None
+
+    # ---- the job -------------------------------------------------------------------------------
+    def local_dir(self, node: int) -> Path:
+        return self.work / f"node{node}" / "local"
+
+    def pretrain_args(self, node: int) -> list[str]:
+        iters = 18 if self.variant == "d" else 14
+        args = [*MODEL, *TRAINING, "--train-iters", str(iters), "--save", str(self.save),
+                "--load", str(self.save), "--save-interval", "6", "--non-persistent-ckpt-type", "local",
+                "--non-persistent-local-ckpt-dir", str(self.local_dir(node)),
+                "--non-persistent-save-interval", "2", "--replication", "--replication-jump", "2",
+                "--replication-factor", "2", "--enable-ft-package"]
+        if self.variant == "d":
+            return [*args, "--inject-fault", "nan-loss", "--inject-fault-iteration", str(NAN_ITERATION),
+                    "--inject-fault-ranks", "0", "--inject-fault-repeat",
+                    "--rerun-max-same-device-retries", "1"]
+        lost = ",".join(str(LOST_NODE * RANKS_PER_NODE + r) for r in range(RANKS_PER_NODE))
+        return [*args, "--inject-fault", "hang", "--inject-fault-iteration", str(LOSS_ITERATION),
+                "--inject-fault-ranks", lost]
+
+    def start_node(self, node: int, log_name: str) -> subprocess.Popen:
+        env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
+               "MASTER_ADDR": "127.0.0.1", "PYTHONUNBUFFERED": "1", "TORCH_CPP_LOG_LEVEL": "error"}
+        cmd = [sys.executable, "-m", "nvidia_resiliency_ext.fault_tolerance.launcher",
+               "--nnodes", str(NODES), "--nproc-per-node", str(RANKS_PER_NODE), "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", f"drill-{self.variant}",
+               "--local-addr", "127.0.0.1", "--max-restarts", "4", "--ft-enable-nic-monitor", "false", *FT,
+               str(REPO / "pretrain.py"), *self.pretrain_args(node)]
+        log = open(self.work / log_name, "w")
+        print(f"[drill] starting node {node} (log: {self.work / log_name})", flush=True)
+        return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+    def wait_for(self, what: str, ready) -> None:
+        while not ready():
+            if time.monotonic() > self.deadline:
+                raise DrillError(f"timed out waiting for {what}")
+            if any(p.poll() is not None for p in self.nodes.values()):
+                raise DrillError(f"a launcher ended while waiting for {what}")
+            time.sleep(0.1)
+
+    def log_has(self, name: str, text: str) -> bool:
+        path = self.work / name
+        return path.exists() and text in path.read_text(errors="replace")
+
+    def store_up(self) -> bool:
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", self.port)) == 0
+
+    # ---- the drill -----------------------------------------------------------------------------
+    def run(self) -> int:
+        self.nodes[0] = self.start_node(0, "node0.log")
+        self.wait_for("node 0's rendezvous store", self.store_up)  # node 0 hosts it, node 1 joins
+        self.nodes[1] = self.start_node(1, "node1.log")
+        if self.variant == "d":  # the node loss at any time after local iteration 8: freeze node 1 then
+            self.wait_for("local iteration 8", lambda: self.log_has(
+                "node0.log", "successfully saved local checkpoint from iteration       8"))
+            _signal_tree(self.nodes[1].pid, signal.SIGSTOP, include_root=False)
+        else:  # node 1's ranks hang before iteration 9: the loss strikes at a known point
+            self.wait_for("node 1's ranks to stop", lambda: all(
+                self.log_has("node1.log", f"injecting hang on rank {r}")
+                for r in range(LOST_NODE * RANKS_PER_NODE, (LOST_NODE + 1) * RANKS_PER_NODE)))
+        self.damage_replicas()
+        self.lose_node(LOST_NODE)
+        self.nodes[LOST_NODE] = self.start_node(LOST_NODE, f"node{LOST_NODE}-replacement.log")
+        codes = {}
+        for node, proc in self.nodes.items():
+            try:
+                codes[node] = proc.wait(timeout=max(1.0, self.deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise DrillError("timed out waiting for the job to end") from None
+        return self.report(codes)
+
+    def newest_replica(self) -> Path:
+        """Node 0's copy of rank 2's shard (ranks 0 and 2 are a clique across nodes), newest iteration."""
+        copies = sorted((self.local_dir(0) / "0").glob("iter_*_2_local.pt"))
+        if not copies:
+            raise DrillError(f"no replica of rank 2's shard under {self.local_dir(0) / '0'}")
+        return copies[-1]
+
+    def damage_replicas(self) -> None:
+        if self.variant == "b":
+            path = self.newest_replica()
+            data = bytearray(path.read_bytes())
+            data[len(data) // 2] ^= 0x10
+            path.write_bytes(bytes(data))
+            self.note(f"flipped one byte of {path} (the only copy of rank 2's shard once node 1 is gone)")
+        elif self.variant == "c":
+            path = self.newest_replica()
+            poison_shard(path)
+            self.note(f"rewrote {path} with a NaN weight and a manifest that matches it (NVRx #349)")
+
+    def lose_node(self, node: int) -> None:
+        agent = self.nodes[node]
+        _signal_tree(agent.pid, signal.SIGKILL)
+        agent.wait()
+        shutil.rmtree(self.local_dir(node), ignore_errors=True)
+        self.loss_unix = time.time()
+        self.note(f"node {node} lost: its launcher and ranks killed (SIGKILL), {self.local_dir(node)} "
+                  "deleted", event=True)
+
+    def note(self, message: str, event: bool = False) -> None:
+        print(f"[drill] {message}", flush=True)
+        if event:  # into the run's event log, so the timeline marks it
+            events, _ = timeline.read_events(str(self.save / "events.jsonl"))
+            reached = max((e["iteration"] for e in events if e["event"] == "progress"), default=0)
+            entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "unix": round(time.time(), 3),
+                     "event": "fault_injected", "kind": "node-loss", "iteration": reached + 1,
+                     "host": socket.gethostname(), "pid": os.getpid(), "message": message}
+            with open(self.save / "events.jsonl", "a") as f:
+                f.write(json.dumps(entry, sort_keys=True) + "\n")
+
+    # ---- the verdict ---------------------------------------------------------------------------
+    def report(self, launcher_codes: dict[int, int]) -> int:
+        events, skipped = timeline.read_events(str(self.save / "events.jsonl"))
+        line = timeline.analyse(events, skipped)
+        ends = [e for e in events if e["event"] in ("finished", "exit") and "exit_code" in e]
+        code = ends[-1]["exit_code"] if ends else None
+        after = [e for e in events if e["event"] == "progress" and e["unix"] > (self.loss_unix or 0)]
+        recovery = after[0]["unix"] - self.loss_unix if after and self.loss_unix else None
+        checks = self.expectations(events, code)
+        picture = self.work / "timeline.png"
+        try:
+            timeline.draw(line, str(self.work)).savefig(picture, dpi=110)
+        except Exception as err:  # noqa: BLE001 - the picture is a convenience; the verdict stands
+            picture = f"not drawn ({type(err).__name__}: {err})"
+        failed = [what for what, ok in checks if not ok]
+        print(f"\n[drill] variant {self.variant}: node loss with {VARIANTS[self.variant]}")
+        print(timeline.summary(line, str(self.save / "events.jsonl")))
+        print(f"[drill] launchers exited {launcher_codes}; the run's last exit code: {code}")
+        print(f"[drill] restarts: {len(line.attempts) - 1}; iterations recomputed: {line.recomputed}; "
+              f"wall time lost: {line.lost_s:.1f} s; recovery (node loss to the first completed iteration "
+              f"after it): {'-' if recovery is None else f'{recovery:.1f} s'}")
+        print(f"[drill] timeline: {picture}")
+        for what, ok in checks:
+            print(f"[drill] {'ok  ' if ok else 'FAIL'} {what}")
+        print(f"[drill] {'PASSED' if not failed else 'FAILED'} ({self.work})")
+        summary = {"variant": self.variant, "exit_code": code, "restarts": len(line.attempts) - 1,
+                   "recomputed": line.recomputed, "lost_s": round(line.lost_s, 1),
+                   "recovery_s": None if recovery is None else round(recovery, 1), "passed": not failed}
+        (self.work / "drill_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        return 0 if not failed else 1
+
+    def expectations(self, events: list[dict], code) -> list[tuple[str, bool]]:
+        def has(name: str, **match) -> bool:
+            return any(e["event"] == name and all(e.get(k) == v for k, v in match.items()) for e in events)
+
+        loaded = [e for e in events if e["event"] == "loaded"]
+        restarts = sum(1 for e in events if e["event"] == "start") - 1
+        checks = [("the restarts stayed bounded (at most 4)", 0 < restarts <= 4)]
+        if self.variant == "a":
+            checks += [("resumed from the local tier, node 1's shards from their replicas",
+                        any(e["tier"] == "local" for e in loaded)),
+                       ("no checkpoint rejected", not has("load", verdict="rejected")),
+                       ("training finished (exit code 0)", code == 0 and has("finished"))]
+        elif self.variant == "b":
+            checks += [("the corrupted local checkpoint was rejected", has("load", verdict="rejected",
+                                                                          tier="local")),
+                       ("resumed from the global (persistent) checkpoint",
+                        bool(loaded) and loaded[-1]["tier"] == "persistent"),
+                       ("training finished (exit code 0)", code == 0 and has("finished"))]
+        elif self.variant == "c":
+            checks += [("the NaN local checkpoint verified and loaded",
+                        any(e["tier"] == "local" for e in loaded)),
+                       ("the canary tripped on it", has("canary", tier="local")),
+                       ("then resumed from the global (persistent) checkpoint",
+                        bool(loaded) and loaded[-1]["tier"] == "persistent"),
+                       ("training finished (exit code 0)", code == 0 and has("finished"))]
+        else:
+            verdicts = [e.get("verdict") for e in events if e["event"] == "rerun"]
+            checks += [("exit 16 with a diagnostic checkpoint first", "reproduced" in verdicts),
+                       ("fell back to an older persistent checkpoint", "fell-back" in verdicts),
+                       ("stopped as unrecoverable", "unrecoverable" in verdicts),
+                       ("the run's last exit code is 8 (do not requeue)", code == 8)]
+        return checks
+
+
+def poison_shard(path: Path) -> None:
+    """Rewrite a local shard with NaN in one weight and a manifest that matches it, as NVRx #349 saw."""
+    import torch
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from megatron_resil.checkpointing.sealed_shard import SealedShard
+
+    manifest = Path(str(path) + ".manifest.json")
+    meta = json.loads(manifest.read_text())
+    state = SealedShard(torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8), meta).unseal()
+    weight = next(t for t in nested_values(state.sharded_state_dict)
+                  if isinstance(t, ShardedTensor) and t.data is not None and "weight" in t.key
+                  and not t.key.startswith("optimizer"))
+    with torch.no_grad():
+        weight.data.view(-1)[0] = float("nan")
+    resealed = SealedShard.seal(state, iteration=meta["iteration"], owner=meta["owner"])
+    path.write_bytes(resealed.payload.numpy().tobytes())
+    manifest.write_text(json.dumps({**resealed.meta, "format": "sealed-v1"}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variant", choices=sorted(VARIANTS), required=True)
+    parser.add_argument("--workdir", default=None, help="an empty or new directory for everything the drill "
+                                                        "writes (default: a new temp directory)")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds before the drill gives up")
+    args = parser.parse_args(argv)
+    if args.workdir is None:
+        work = Path(tempfile.mkdtemp(prefix=f"node-loss-drill-{args.variant}-"))
+    else:
+        work = Path(args.workdir).resolve()
+        if work.exists() and (not work.is_dir() or any(work.iterdir())):
+            parser.error(f"--workdir {work} exists and is not an empty directory; name a new one")
+        work.mkdir(parents=True, exist_ok=True)
+    drill = Drill(args.variant, work, args.timeout)
+    try:
+        return drill.run()
+    except DrillError as err:
+        print(f"[drill] FAILED: {err} (logs under {work})", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        for proc in drill.nodes.values():  # nothing is left running, whatever happened
+            if proc.poll() is None:
+                _signal_tree(proc.pid, signal.SIGCONT)
+                _signal_tree(proc.pid, signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
