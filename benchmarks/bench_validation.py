@@ -32,7 +32,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def worker(opts: argparse.Namespace) -> None:
+    import logging
+
     import torch
+
+    logging.getLogger("megatron.core.rerun_state_machine").setLevel(logging.ERROR)  # its lines at every switch
 
     sys.path.insert(0, str(REPO))
     from megatron_resil import cpu_compat, parallel, rerun

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import signal
@@ -222,7 +223,10 @@ class Drill:
         line = timeline.analyse(events, skipped)
         ends = [e for e in events if e["event"] in ("finished", "exit") and "exit_code" in e]
         code = ends[-1]["exit_code"] if ends else None
-        after = [e for e in events if e["event"] == "progress" and e["unix"] > (self.loss_unix or 0)]
+        # The first iteration completed after the loss with a finite loss (a NaN one, as in variant c, is
+        # the canary's to reject, not a recovery).
+        after = [e for e in events if e["event"] == "progress" and e["unix"] > (self.loss_unix or 0)
+                 and isinstance(e.get("loss"), (int, float)) and math.isfinite(e["loss"])]
         recovery = after[0]["unix"] - self.loss_unix if after and self.loss_unix else None
         checks = self.expectations(events, code)
         picture = self.work / "timeline.png"

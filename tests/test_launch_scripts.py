@@ -50,6 +50,14 @@ def test_requeue_decision(events, launcher_code, verb, code):
     assert reason
 
 
+def test_the_scripts_stop_on_exactly_the_codes_the_ranks_tell_ft_launcher_not_to_restart():
+    """One table: a code the launch scripts do not requeue is one whose ranks also ask ft_launcher to end
+    its in-job restarts (fault_tolerance.MonitoredRank.job_ending), and no other."""
+    stops = {code for code in range(256)
+             if decide([_ev("start"), _ev("exit", exit_code=code)], 1)[0] == "stop" and code != 0}
+    assert stops == exit_codes.DO_NOT_RETRY
+
+
 def test_requeue_tool_reads_only_this_step_and_skips_a_torn_line(tmp_path):
     log = tmp_path / "events.jsonl"
     lines = [json.dumps({"event": "finished", "exit_code": 0, "unix": 100.0, "iteration": 4}),
