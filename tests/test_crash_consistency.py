@@ -37,7 +37,7 @@ _QUARANTINED = re.compile(r"^iter_\d{7,}\.quarantined\.")
 _STAGING = re.compile(r"^\.tmp_iter_\d{7}_[0-9a-f]+$")
 _LOSS_ITER = re.compile(r"^\s*\[[^\]]*\] iteration\s+(\d+)/", re.M)
 
-KILL_CYCLES = int(os.environ.get("CRASH_CYCLES", "3"))
+KILL_CYCLES = int(os.environ.get("CRASH_CYCLES", "2"))
 MAX_DELAY_S = 1.5  # kill this long (uniformly drawn) after a new staging directory appears
 MAX_PUBLISH_DELAY_S = 0.01  # the same, after its manifest appears (rename and tracker take ~ms)
 MAX_SKIP = 3  # let this many of a launch's saves pass first (each launch's first save is the slow one)
