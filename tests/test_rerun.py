@@ -157,6 +157,7 @@ def test_rerun_flags_default_to_megatrons():
     assert (args.rerun_mode, args.error_injection_rate, args.error_injection_type) == \
         ("validate_results", 0, "transient_error")
     assert args.check_for_nan_in_loss_and_grad and not args.check_for_spiky_loss
+    assert args.rerun_max_same_device_retries == 2  # ours: Megatron has no bound
 
 
 @pytest.mark.parametrize("extra, flag", [
@@ -166,6 +167,7 @@ def test_rerun_flags_default_to_megatrons():
     (["--error-injection-rate", "5", "--no-check-for-nan-in-loss-and-grad"], "--error-injection-rate"),
     (["--rerun-mode", "report_stats", "--no-check-for-nan-in-loss-and-grad"], "--rerun-mode"),
     (["--rerun-mode", "validate"], "--rerun-mode"),
+    (["--rerun-max-same-device-retries", "-1"], "--rerun-max-same-device-retries"),
 ])
 def test_bad_rerun_flags_exit_2_with_one_line_naming_the_flag(extra, flag, capsys):
     with pytest.raises(SystemExit) as exited:
