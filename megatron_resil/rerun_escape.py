@@ -73,13 +73,6 @@ class RerunEscape:
         if self.path is not None and parallel.is_rank0():
             atomic_write_text(self.path, json.dumps(asdict(self.incident), indent=1) + "\n")
 
-    def _open_incident(self, stop: RerunStop) -> Incident:
-        """The open incident of this fault, or a new one (a first fault, or the ledger was deleted)."""
-        if self.incident is None or self.incident.status != "open" or \
-                self.incident.fault_iteration != stop.iteration:
-            self.incident = Incident(stop.iteration, stop.iteration - 1)
-        return self.incident
-
     # ---- the decisions ---------------------------------------------------------------------------
     def judge(self, stop: RerunStop, progress: TrainProgress, checkpoints) -> tuple[TrainProgress,
                                                                                     RerunStop | None]:
