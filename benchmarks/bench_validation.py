@@ -36,7 +36,7 @@ def worker(opts: argparse.Namespace) -> None:
 
     import torch
 
-    logging.getLogger("megatron.core.rerun_state_machine").setLevel(logging.ERROR)  # its lines at every switch
+    logging.getLogger("megatron.core.rerun_state_machine").setLevel(logging.ERROR)  # a line per switch
 
     sys.path.insert(0, str(REPO))
     from megatron_resil import cpu_compat, parallel, rerun
