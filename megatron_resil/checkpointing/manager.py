@@ -103,17 +103,13 @@ class CheckpointManager:
     def _load(self, persistent_only: bool = False) -> TrainProgress:
         if self.config.load is None:
             return TrainProgress()
-        persistent = GlobalTier(self.config.load, verify_checksums=self.config.verify_checksums)
-        tiers: list[CheckpointTier] = [persistent]
+        tiers: list[CheckpointTier] = [self._persistent_tier()]
         if self.non_persistent_tier is not None and not persistent_only:
             # The node-local tier is tried first at equal iterations (fastest, and the canary
             # watches it); a global non-persistent one only after the persistent one.
             local = isinstance(self.non_persistent_tier, LocalTier)
             tiers.insert(0 if local else 1, self.non_persistent_tier)
-        try:
-            result = loader.load_first_verified(tiers, self._template_for)
-        except loader.CheckpointLoadError as err:
-            self._exit_no_checkpoint(str(err))
+        result = self._first_verified(tiers)
         if result is None:
             if self.config.exit_on_missing_checkpoint:
                 self._exit_no_checkpoint(f"no loadable checkpoint under --load {self.config.load} and "
@@ -143,12 +139,18 @@ class CheckpointManager:
         # Training passes that iteration again: its save would replace the diagnostic checkpoint, which
         # holds the rerun state machine's findings, with an ordinary one.
         self.kept_diagnostic = older_than
-        persistent = GlobalTier(self.config.load, verify_checksums=self.config.verify_checksums)
+        result = self._first_verified([self._persistent_tier()], older_than=older_than)
+        return None if result is None else self._restore(result)
+
+    def _persistent_tier(self) -> GlobalTier:
+        return GlobalTier(self.config.load, verify_checksums=self.config.verify_checksums)
+
+    def _first_verified(self, tiers: list[CheckpointTier],
+                        older_than: int | None = None) -> loader.LoadResult | None:
         try:
-            result = loader.load_first_verified([persistent], self._template_for, older_than=older_than)
+            return loader.load_first_verified(tiers, self._template_for, older_than=older_than)
         except loader.CheckpointLoadError as err:
             self._exit_no_checkpoint(str(err))
-        return None if result is None else self._restore(result)
 
     def _restore(self, result: loader.LoadResult) -> TrainProgress:
         progress = state.restore(result.state, self.model, self.optimizer, self.scheduler,
