@@ -1,7 +1,6 @@
-"""Builds megatron-core's GPTModel from the command line: config, layer spec, padded vocabulary.
-
-On CPU the layer spec's core attention is swapped for `SDPACoreAttention`, because megatron-core's
-DotProductAttention takes its scratch buffer from a CUDA-only global memory buffer.
+"""Builds megatron-core's GPTModel from the command line: its TransformerConfig, the layer spec (dense or
+MoE, megatron-core's local modules or Transformer Engine's), and one model chunk per pipeline stage this
+rank holds (several with virtual pipeline stages), each cast for --bf16/--fp16 as Megatron-LM does.
 """
 
 from __future__ import annotations
@@ -10,35 +9,30 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module, MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 
-class SDPACoreAttention(MegatronModule):
-    """Causal core attention on torch's scaled_dot_product_attention; a drop-in for the local spec."""
+class LocalNorm:
+    """LayerNorm or RMSNorm for the local spec, from torch, with sequence parallelism.
 
-    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type, attention_type,
-                 attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type=None, pg_collection=None) -> None:
-        super().__init__(config=config)
-        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
-        self.softmax_scale = softmax_scale
+    megatron-core's torch-backed norm (WrappedTorchNorm, used without Apex) refuses
+    `sequence_parallel`. Under sequence parallelism each tensor-parallel rank normalises a slice of
+    the sequence, so the norm's weights get partial gradients that must be summed across the
+    tensor-parallel group; marking them `sequence_parallel` is what makes megatron-core's
+    finalize_model_grads do that, as Apex's FusedLayerNorm does."""
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
-        # megatron-core hands us [seq, batch, heads, head_dim]; SDPA wants [batch, heads, seq, dim].
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        if k.size(1) != q.size(1):  # grouped-query attention: repeat key/value groups per head
-            k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
-            v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=self.softmax_scale,
-            dropout_p=self.dropout if self.training else 0.0)
-        seq, batch = out.size(2), out.size(0)
-        return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused):
+        norm_class = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
+        norm = norm_class(hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
 
 
 def padded_vocab_size(vocab_size: int, args: argparse.Namespace) -> int:
@@ -48,10 +42,13 @@ def padded_vocab_size(vocab_size: int, args: argparse.Namespace) -> int:
 
 
 def params_dtype(args: argparse.Namespace) -> torch.dtype:
-    return torch.bfloat16 if args.bf16 else torch.float32
+    if args.bf16:
+        return torch.bfloat16
+    return torch.float16 if args.fp16 else torch.float32
 
 
 def transformer_config(args: argparse.Namespace) -> TransformerConfig:
+    moe = args.num_experts is not None
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -65,13 +62,29 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         normalization=args.normalization,
         gated_linear_unit=args.swiglu,
         activation_func=F.silu if args.swiglu else F.gelu,
+        add_bias_linear=not args.disable_bias_linear,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        num_moe_experts=args.num_experts,
+        moe_router_topk=args.moe_router_topk,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff if moe else 0.0,
+        moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+        moe_grouped_gemm=args.moe_grouped_gemm,
+        fp16=args.fp16,
         bf16=args.bf16,
         params_dtype=params_dtype(args),
         pipeline_dtype=params_dtype(args),
-        use_cpu_initialization=not torch.cuda.is_available(),
-        # Fused kernels are CUDA-only; the unfused paths are numerically the same model.
+        # Two sends to the same peer in one batched p2p call get crossed under the interleaved schedule
+        # with two pipeline ranks (Megatron-LM #750): separate calls keep them in order.
+        batch_p2p_comm=args.virtual_pipeline_model_parallel_size is None,
+        use_cpu_initialization=args.use_cpu_initialization,
+        # Fused kernels need CUDA extensions; the unfused paths compute the same model.
+        gradient_accumulation_fusion=False,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
@@ -84,26 +97,43 @@ def layer_spec(args: argparse.Namespace) -> ModuleSpec:
     if args.transformer_impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec()
-    spec = get_gpt_layer_local_spec(normalization=args.normalization)
-    if not torch.cuda.is_available():
-        spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+        return get_gpt_layer_with_transformer_engine_spec(args.num_experts, args.moe_grouped_gemm)
+    spec = get_gpt_layer_local_spec(args.num_experts, args.moe_grouped_gemm, normalization=args.normalization)
+    spec.submodules.input_layernorm = LocalNorm
+    spec.submodules.pre_mlp_layernorm = LocalNorm
     return spec
 
 
-def build_model(args: argparse.Namespace, vocab_size: int) -> MegatronModule:
+def _block_spec(args: argparse.Namespace, config: TransformerConfig, vp_stage: int | None):
+    spec = layer_spec(args)
+    if args.transformer_impl == "transformer_engine":
+        return spec  # megatron-core picks TE's final norm itself
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=LocalNorm)
+
+
+def build_model_chunks(args: argparse.Namespace, vocab_size: int) -> list[MegatronModule]:
+    """This rank's model chunks: one per virtual pipeline stage it holds (one without virtual stages)."""
     config = transformer_config(args)
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=layer_spec(args),
-        vocab_size=padded_vocab_size(vocab_size, args),
-        max_sequence_length=args.max_position_embeddings,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-    )
-    if torch.cuda.is_available():
-        model.cuda(torch.cuda.current_device())
-    if args.bf16:
-        # As in Megatron-LM: casts inputs to bf16 and the loss back to fp32.
-        model = Float16Module(config, model)
-    return model
+    virtual_stages = args.virtual_pipeline_model_parallel_size
+    chunks = []
+    for vp_stage in range(virtual_stages or 1):
+        stage = vp_stage if virtual_stages else None
+        chunk = GPTModel(
+            config=config,
+            transformer_layer_spec=_block_spec(args, config, stage),
+            vocab_size=padded_vocab_size(vocab_size, args),
+            max_sequence_length=args.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            position_embedding_type=args.position_embedding_type,
+            vp_stage=stage,
+        )
+        if torch.cuda.is_available():
+            chunk.cuda(torch.cuda.current_device())
+        if args.bf16 or args.fp16:
+            # As in Megatron-LM: casts inputs to 16 bits and the loss back to fp32.
+            chunk = Float16Module(config, chunk)
+        chunks.append(chunk)
+    return chunks

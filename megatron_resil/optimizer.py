@@ -1,140 +1,123 @@
-"""AdamW with Megatron's semantics on every backend: data-parallel gradient averaging, a
-tensor-parallel-aware global grad norm, clipping, fp32 main params under --bf16, and a sharded
-optimizer state that torch_dist can save and reload under the same parallel layout.
-
-megatron-core's own optimizers and DDP allocate on CUDA throughout; this one runs on CPU and GPU alike.
+"""megatron-core's data-parallel engine from the command line: model chunks wrapped in its
+DistributedDataParallel, its optimizer (Adam, the distributed optimizer with --use-distributed-optimizer,
+fp16 loss scaling, chained with the experts' optimizer under MoE) and Megatron's LR scheduler, wired into
+the pipeline schedules' hooks as Megatron-LM wires them.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
-import torch.distributed as dist
-from megatron.core import parallel_state
-from megatron.core.dist_checkpointing.optimizer import (
-    get_param_id_to_sharded_param_map,
-    make_sharded_optimizer_tensor,
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
 )
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-_ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.utils import get_model_config
 
 
-class Optimizer:
-    def __init__(self, model: torch.nn.Module, args: argparse.Namespace) -> None:
-        self.model_params = [p for p in model.parameters() if p.requires_grad]
-        # Under bf16 the optimizer updates fp32 copies; otherwise the params themselves.
-        self.mixed_precision = any(p.dtype != torch.float32 for p in self.model_params)
-        if self.mixed_precision:
-            self.main_params = [p.detach().clone().float().requires_grad_() for p in self.model_params]
-        else:
-            self.main_params = self.model_params
-        decay = [p for p in self.main_params if p.dim() > 1]
-        no_decay = [p for p in self.main_params if p.dim() <= 1]  # biases and norms, as in Megatron
-        self.adam = torch.optim.AdamW(
-            [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}],
-            lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-            weight_decay=args.weight_decay)
-        self.clip_grad = args.clip_grad
-        # Called first thing in step(), before its first collective: where a rank's own work of the
-        # iteration ends for the straggler detector (straggler.py). None: nothing to call.
-        self.before_step: Callable[[], None] | None = None
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.adam.param_groups
-
-    def zero_grad(self) -> None:
-        for p in self.model_params:
-            p.grad = None
-
-    def own_work_done(self) -> None:
-        """This rank's own work for the iteration ends here, before any collective (the straggler
-        timing's end point; later calls in the same iteration are no-ops there)."""
-        if self.before_step is not None:
-            self.before_step()
-
-    def step(self) -> float:
-        """Average gradients over data-parallel ranks, clip, update. Returns the global grad norm."""
-        self.own_work_done()
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.model_params]
-        dp_group = parallel_state.get_data_parallel_group()
-        if dist.get_world_size(dp_group) > 1:
-            flat = _flatten_dense_tensors(grads)
-            dist.all_reduce(flat, group=dp_group)
-            flat /= dist.get_world_size(dp_group)
-            grads = list(_unflatten_dense_tensors(flat, grads))
-        for main, grad in zip(self.main_params, grads, strict=True):
-            main.grad = grad.float() if self.mixed_precision else grad
-        grad_norm = self._global_grad_norm()
-        if self.clip_grad > 0 and math.isfinite(grad_norm):
-            coeff = self.clip_grad / (grad_norm + 1e-6)
-            if coeff < 1.0:
-                for p in self.main_params:
-                    p.grad.mul_(coeff)
-        self.adam.step()
-        if self.mixed_precision:
-            with torch.no_grad():
-                for model_p, main_p in zip(self.model_params, self.main_params, strict=True):
-                    model_p.copy_(main_p)
-        return grad_norm
-
-    def _global_grad_norm(self) -> float:
-        # Params replicated across tensor-parallel ranks are counted once, as Megatron does.
-        squares = [p.grad.float().pow(2).sum() for p in self.main_params
-                   if param_is_not_tensor_parallel_duplicate(p) or _is_duplicate_owner()]
-        local = torch.stack(squares).sum() if squares else torch.zeros((), device=self.main_params[0].device)
-        mp_group = parallel_state.get_model_parallel_group()
-        if dist.get_world_size(mp_group) > 1:
-            dist.all_reduce(local, group=mp_group)
-        return float(local.sqrt())
-
-    def _ensure_state(self) -> None:
-        """Create zero Adam state so a load has tensors to fill (a fresh optimizer has none)."""
-        for p in self.main_params:
-            state = self.adam.state[p]
-            if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32)
-                for key in _ADAM_KEYS:
-                    state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
-
-    def sharded_state_dict(self, model_sharded_state_dict: dict) -> dict:
-        self._ensure_state()
-        id_to_sharded = get_param_id_to_sharded_param_map(model_sharded_state_dict, self.model_params)
-        state = {}
-        for idx, main in enumerate(self.main_params):
-            per_param = {key: make_sharded_optimizer_tensor(
-                id_to_sharded[idx], self.adam.state[main][key], prefix=f"optimizer.state.{key}")
-                for key in _ADAM_KEYS}
-            if self.mixed_precision:
-                per_param["fp32_param"] = make_sharded_optimizer_tensor(
-                    id_to_sharded[idx], main.detach(), prefix="optimizer.state.fp32_param")
-            state[idx] = per_param
-        step = float(self.adam.state[self.main_params[0]]["step"])
-        return {"state": state, "step": step}
-
-    def load_sharded_state_dict(self, loaded: dict) -> None:
-        with torch.no_grad():
-            for idx, main in enumerate(self.main_params):
-                state = self.adam.state[main]
-                for key in _ADAM_KEYS:
-                    state[key].copy_(loaded["state"][idx][key])
-                state["step"] = torch.tensor(float(loaded["step"]), dtype=torch.float32)
-                if self.mixed_precision:
-                    main.copy_(loaded["state"][idx]["fp32_param"])
-                    self.model_params[idx].copy_(main)
+def ddp_config(args: argparse.Namespace) -> DistributedDataParallelConfig:
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        # Megatron-LM's check of each rank's gradients before they are reduced, through the rerun state
+        # machine (rerun.py turns it off while the post-load canary watches).
+        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
+        bucket_size=args.ddp_bucket_size,
+        average_in_collective=args.ddp_average_in_collective,
+    )
 
 
-def _is_duplicate_owner() -> bool:
-    return parallel_state.get_tensor_model_parallel_rank() == 0
+def wrap_in_ddp(chunks: list[MegatronModule], args: argparse.Namespace) -> list[DistributedDataParallel]:
+    config = get_model_config(chunks[0])
+    ddp = ddp_config(args)
+    # As Megatron-LM: only the first chunk's buffers are split into buckets; the others' gradients are
+    # reduced in one piece, when their last backward ends.
+    return [DistributedDataParallel(config, ddp, chunk, disable_bucketing=index > 0)
+            for index, chunk in enumerate(chunks)]
 
 
-def build_scheduler(optimizer: Optimizer, args: argparse.Namespace) -> OptimizerParamScheduler:
+def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
+    return OptimizerConfig(
+        optimizer="adam",
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        params_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32,
+        loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        overlap_param_gather=args.overlap_param_gather,
+    )
+
+
+def build_optimizer(chunks: list[DistributedDataParallel], args: argparse.Namespace) -> MegatronOptimizer:
+    """megatron-core's optimizer for the chunks, and the schedules' hooks set as Megatron-LM sets them."""
+    optimizer = get_megatron_optimizer(optimizer_config(args), chunks)
+    config = get_model_config(chunks[0])
+    one_or_list = (lambda fns: fns[0]) if len(chunks) == 1 else list
+    config.no_sync_func = one_or_list([chunk.no_sync for chunk in chunks])
+    if args.overlap_grad_reduce:
+        config.grad_sync_func = one_or_list([chunk.start_grad_sync for chunk in chunks])
+    if args.overlap_param_gather:
+        config.param_sync_func = one_or_list([chunk.start_param_sync for chunk in chunks])
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    return optimizer
+
+
+def before_grad_finalize(chunks: list[DistributedDataParallel], callback: Callable[[], None]) -> None:
+    """Call `callback` when this rank's forward and backward work of a step is done, before it waits for
+    its peers' gradients (the straggler timing's end point)."""
+    config = get_model_config(chunks[0])
+    finalize = config.finalize_model_grads_func
+
+    def finalize_after_callback(*args, **kwargs):
+        callback()
+        return finalize(*args, **kwargs)
+
+    config.finalize_model_grads_func = finalize_after_callback
+
+
+@contextlib.contextmanager
+def params_in_sync(chunks: list[DistributedDataParallel], args: argparse.Namespace) -> Iterator[None]:
+    """With --overlap-param-gather, the distributed optimizer's updated parameters reach the model only
+    as the next forward pass gathers them. A checkpoint or an evaluation in between must see them:
+    gather now, and let the next training step overlap again."""
+    if not args.overlap_param_gather:
+        yield
+        return
+    for chunk in chunks:
+        chunk.disable_forward_pre_hook(param_sync=True)
+    try:
+        yield
+    finally:
+        for chunk in chunks:
+            chunk.enable_forward_pre_hook()
+
+
+def learning_rate(optimizer: MegatronOptimizer) -> float:
+    return optimizer.param_groups[0]["lr"]
+
+
+def build_scheduler(optimizer: MegatronOptimizer, args: argparse.Namespace) -> OptimizerParamScheduler:
     """Megatron's scheduler, stepped in samples as Megatron-LM does for iteration-based runs."""
     gbs = args.global_batch_size
     return OptimizerParamScheduler(

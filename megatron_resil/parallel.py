@@ -51,6 +51,9 @@ def initialize(args: argparse.Namespace) -> None:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
     )
     set_seeds(args.seed)
 
@@ -73,35 +76,33 @@ def release_process_groups() -> None:
 
 
 def set_seeds(seed: int) -> None:
-    # One seed for every rank: tensor-parallel ranks must draw identical dropout masks on their
-    # replicated activations, as in Megatron without --data-parallel-random-init.
+    """Megatron-LM's seeding: each pipeline stage its own seed, the same on every tensor- and
+    data-parallel rank (they must draw identical dropout masks on replicated activations), and
+    megatron-core's tracker for the streams that differ per tensor- and expert-parallel rank."""
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    if torch.cuda.is_available():
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
 def rng_state() -> dict:
     """Everything random this rank will draw from, so a resume continues bit for bit."""
-    state = {
+    return {
         "random_rng_state": random.getstate(),
         "np_rng_state": np.random.get_state(),
         "torch_rng_state": torch.get_rng_state(),
+        "cuda_rng_state": torch.cuda.get_rng_state(),
+        "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
-    if torch.cuda.is_available():
-        state["cuda_rng_state"] = torch.cuda.get_rng_state()
-        state["rng_tracker_states"] = tensor_parallel.get_cuda_rng_tracker().get_states()
-    return state
 
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["random_rng_state"])
     np.random.set_state(state["np_rng_state"])
     torch.set_rng_state(state["torch_rng_state"])
-    if torch.cuda.is_available() and "cuda_rng_state" in state:
-        torch.cuda.set_rng_state(state["cuda_rng_state"])
-        tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+    torch.cuda.set_rng_state(state["cuda_rng_state"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
 
 
 def rank() -> int:
@@ -118,7 +119,7 @@ def all_ranks_agree(flag: bool) -> bool:
     """True only if every rank passes True: one collective, so all ranks take the same branch."""
     if not dist.is_initialized():
         return flag
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_collective_device())
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device())
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return bool(t.item())
 
@@ -144,7 +145,8 @@ def broadcast_object(obj, src: int = 0):
     return box[0]
 
 
-def _collective_device() -> torch.device:
+def device() -> torch.device:
+    """Where this rank computes and where its collectives' tensors live."""
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

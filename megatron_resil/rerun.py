@@ -45,7 +45,6 @@ from megatron_resil.progress import TrainProgress
 torch.serialization.add_safe_globals([RerunMode, RerunState, RerunDiagnostic, Call, Caller])
 
 SPIKY_LOSS_FACTOR = 10  # Megatron-LM's: a loss 10x the largest of the first 100 seen is a spike
-_GRAD_NORM_WHERE = "in local grad norm in backward pass before data-parallel communication collective"
 
 
 @dataclass(frozen=True)
@@ -119,6 +118,8 @@ def initialize(config: RerunConfig) -> None:
         error_injector=_ErrorInjector(config.error_injection_rate,
                                      RerunDiagnostic(config.error_injection_type), config.seed))
     _config = config
+    machine = get_rerun_state_machine()
+    machine.validate_result = _tracked(machine.validate_result)
     if config.mode == RerunMode.REPORT_DETERMINISM_STATS:
         # megatron-core 0.16.1's own report reads Caller.filename, which Caller lacks (AttributeError on
         # rank 0 at the first report), and logs at INFO, which nothing shows. StepValidation reports instead.
@@ -129,6 +130,23 @@ def reset() -> None:
     """A fresh machine with this run's configuration: after the escape hatch loaded an older checkpoint,
     nothing of the abandoned rerun may carry over."""
     initialize(_config)
+
+
+# The step being validated: the machine's validate_result calls (ours in the loss function, DDP's on each
+# gradient bucket) are reported to it, so its log line can say what was rejected on which rank.
+_active_step: StepValidation | None = None
+
+
+def _tracked(validate: Callable) -> Callable:
+    def validate_result(result, rejection_func, message: str = "unexpected result", comparison_func=None,
+                        tolerance: float = 0.0, fatal: bool = True):
+        if _active_step is None:
+            return validate(result, rejection_func, message, comparison_func=comparison_func,
+                            tolerance=tolerance, fatal=fatal)
+        return _active_step._validate(validate, result, rejection_func, message, comparison_func, tolerance,
+                                      fatal)
+
+    return validate_result
 
 
 class _ErrorInjector(RerunErrorInjector):
@@ -152,9 +170,7 @@ class _ErrorInjector(RerunErrorInjector):
 
 def _save_rng_tracker():
     # The machine itself saves the Python, NumPy, torch and CUDA generators; Megatron-LM adds the
-    # tensor-parallel CUDA RNG tracker (dropout inside model-parallel regions). There is none on CPU.
-    if not torch.cuda.is_available():
-        return None
+    # tensor-parallel RNG tracker (dropout inside model-parallel regions).
     return {"rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
 
 
@@ -182,8 +198,7 @@ class StepValidation:
 
         step = StepValidation(iteration)
         while step.runs():         # once, twice on a rerun in place
-            ... forward, step.check_loss(loss), backward ...
-            step.check_grads(params)
+            ... forward, step.check_loss(loss), backward (DDP checks the gradients) ...
         stop = step.verdict()      # None: take the step (optimizer); else do not, and end the job
     """
 
@@ -193,6 +208,8 @@ class StepValidation:
         # checkpoint (see checkpointing/canary.py) instead of starting a rerun that would save it again.
         self.nan_checks = nan_checks and _config.check_nan
         self.machine = get_rerun_state_machine()
+        global _active_step
+        _active_step = self
         self.passes: list[RerunState] = []
         self._calls: dict[str, int] = defaultdict(int)
         self._rejected: tuple[str, int] | None = None
@@ -219,32 +236,33 @@ class StepValidation:
         return True
 
     def check_loss(self, loss: torch.Tensor) -> None:
-        """Megatron-LM's loss_func checks, on one microbatch loss."""
-        loss = loss.detach()  # the machine keeps a rejected result; not the graph behind it
+        """Megatron-LM's loss_func checks, on one microbatch's loss."""
+        # The machine keeps the result to compare a rerun's with: a copy, since the pipeline schedule
+        # divides the returned loss in place (by its tokens and the microbatches) after this check.
+        loss = loss.detach().clone()
+        validate = self.machine.validate_result
         if self.nan_checks:
-            self._validate(loss, torch.isnan, "found NaN in local forward loss calculation", 0.0, fatal=True)
-            self._validate(loss, torch.isinf, "found Inf in local forward loss calculation", 0.0, fatal=True)
+            validate(loss, torch.isnan, "found NaN in local forward loss calculation", fatal=True)
+            validate(loss, torch.isinf, "found Inf in local forward loss calculation", fatal=True)
         if _config.check_spiky:
             spike = partial(self.machine.is_unexpectedly_large, threshold=SPIKY_LOSS_FACTOR, context="loss")
-            self._validate(loss, spike, "Spiky loss", 0.0, fatal=False)
+            validate(loss, spike, "Spiky loss", fatal=False)
 
-    def check_grads(self, params: list[torch.nn.Parameter]) -> None:
-        """Megatron-LM's DDP check: the norm of this rank's gradients before they are averaged."""
-        grads = [p.grad for p in params if p.grad is not None]
-        if not self.nan_checks or not grads:
-            return
-        norm = torch.nn.utils.get_total_norm(grads)
-        # Megatron's tolerance: backward kernels need not be deterministic.
-        self._validate(norm, torch.isnan, f"found NaN {_GRAD_NORM_WHERE}", 0.001, fatal=True)
-        self._validate(norm, torch.isinf, f"found Inf {_GRAD_NORM_WHERE}", 0.001, fatal=True)
+    @property
+    def grad_checks(self) -> bool:
+        """Whether megatron-core's DDP validates this rank's gradient norm before the reduction, as
+        Megatron-LM has it do (its findings reach this step through the machine, see `_tracked`)."""
+        return self.nan_checks
 
-    def _validate(self, result: torch.Tensor, rejection_func: Callable, message: str, tolerance: float,
-                  fatal: bool) -> None:
+    def _validate(self, validate: Callable, result: torch.Tensor, rejection_func: Callable, message: str,
+                  comparison_func: Callable | None, tolerance: float, fatal: bool) -> None:
+        """One of the machine's validate_result calls (ours or DDP's), remembered for the one log line."""
         machine = self.machine
         self._calls[message] += 1
         call = (message, self._calls[message])
         already_rejected = machine.rerun_requested
-        machine.validate_result(result, rejection_func, message, tolerance=tolerance, fatal=fatal)
+        validate(result, rejection_func, message, comparison_func=comparison_func, tolerance=tolerance,
+                 fatal=fatal)
         if machine.mode != RerunMode.VALIDATE_RESULTS:
             return
         if machine.state == RerunState.INITIAL_RUN and machine.rerun_requested and not already_rejected:

@@ -2,12 +2,15 @@
 
 One slow rank slows every rank, since all of them wait for it in the gradient all-reduce. So each rank
 times only its OWN work per iteration: from the start of the iteration (where an injected `slow` fault
-sleeps) to the entry of optimizer.step(), before its first collective; waiting for peers is not
-counted. Every report interval one all-gather shares each rank's median time, and every rank computes
-the same NVRx-style scores from it: relative (fastest rank's time / this rank's) and individual (this
-rank's best time so far / its current one). Rank 0 prints the report, ranks below the thresholds are
-`straggler` events, and with --straggler-stop-if-detected all ranks save and stop together. Where
-NVRx's CUPTI-based Detector works (CUDA), its GPU kernel scores are reported and judged too.
+sleeps) to megatron-core's gradient finalisation, where it first waits for its data-parallel peers;
+waiting for them is not counted. (Pipeline stages and expert all-to-alls wait for peers inside the
+forward and backward passes, so there a slow rank slows its peers' timing too; NVRx's GPU kernel
+timing, below, does not have that blind spot.) Every report interval one all-gather shares each rank's
+median time, and every rank computes the same NVRx-style scores from it: relative (fastest rank's time /
+this rank's) and individual (this rank's best time so far / its current one). Rank 0 prints the report,
+ranks below the thresholds are `straggler` events, and with --straggler-stop-if-detected all ranks save
+and stop together. Where NVRx's CUPTI-based Detector works (CUDA), its GPU kernel scores are reported and
+judged too.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from datetime import datetime
 import torch
 
 from megatron_resil import events, exit_codes, parallel
-from megatron_resil.optimizer import Optimizer
+from megatron_resil.optimizer import before_grad_finalize
 from megatron_resil.stop_conditions import Stop
 
 
@@ -187,8 +190,9 @@ class StragglerDetection:
     """Without --log-straggler: nothing timed, nothing gathered."""
 
     @staticmethod
-    def from_args(args: argparse.Namespace, optimizer: Optimizer) -> StragglerDetection:
-        return TimedRanks(args, optimizer) if args.log_straggler else StragglerDetection()
+    def from_args(args: argparse.Namespace, model: list) -> StragglerDetection:
+        """`model`: the rank's model chunks (megatron-core DDP modules)."""
+        return TimedRanks(args, model) if args.log_straggler else StragglerDetection()
 
     def iteration_started(self) -> None:
         """At the very start of an iteration, before anything of it runs."""
@@ -202,7 +206,7 @@ class StragglerDetection:
 
 
 class TimedRanks(StragglerDetection):
-    def __init__(self, args: argparse.Namespace, optimizer: Optimizer) -> None:
+    def __init__(self, args: argparse.Namespace, model: list) -> None:
         self.interval = args.straggler_report_interval
         self.count = args.straggler_minmax_count
         self.relative_threshold = args.straggler_relative_threshold
@@ -213,7 +217,7 @@ class TimedRanks(StragglerDetection):
         self.samples: list[float] = []
         self.best_s = math.inf
         self._started: float | None = None
-        optimizer.before_step = self._work_done
+        before_grad_finalize(model, self._work_done)
         self.toggle, self.nvrx, notes = None, None, []
         if parallel.is_rank0():
             try:
@@ -231,7 +235,7 @@ class TimedRanks(StragglerDetection):
                 notes.append(f"NVRx Detector unavailable ({type(err).__name__}: {err})")
         events.print_rank_0(
             f"straggler detection {'ON' if self.enabled else 'OFF'}: own work per iteration (start of "
-            f"the iteration to the optimizer step), report every {self.interval} iterations, thresholds "
+            f"the iteration to the gradient reduction), report every {self.interval} iterations, thresholds "
             f"relative {self.relative_threshold:g} individual {self.individual_threshold:g}"
             + "".join(f"; {n}" for n in notes))
 
@@ -242,7 +246,8 @@ class TimedRanks(StragglerDetection):
                 self.nvrx.start()
 
     def _work_done(self) -> None:
-        """Optimizer hook, before its first collective: this rank's own work for the iteration ends."""
+        """Before the gradients are reduced (the first wait for peers without pipeline or expert
+        parallelism): this rank's own work for the iteration ends. A rerun's second pass is not timed."""
         if self._started is not None:
             self.samples.append(time.perf_counter() - self._started)
             self._started = None

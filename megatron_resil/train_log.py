@@ -19,6 +19,7 @@ def json_safe(value: float) -> float | str:
 class TrainLogger:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        self.skipped_in_interval = 0  # steps the fp16 loss scaler skipped since the last log line
         self.interval_start = time.perf_counter()
         self.iterations_in_interval = 0
         self.writer = None
@@ -32,9 +33,11 @@ class TrainLogger:
         self.interval_start = time.perf_counter()
         self.iterations_in_interval = 0
 
-    def training_step(self, iteration: int, consumed_samples: int, lr: float, loss: float,
-                      grad_norm: float) -> None:
+    def training_step(self, iteration: int, consumed_samples: int, lr: float, report) -> None:
+        """`report`: training.StepReport (loss, grad norm, MoE auxiliary losses, loss scale)."""
+        loss, grad_norm = report.loss, report.grad_norm
         self.iterations_in_interval += 1
+        self.skipped_in_interval += 0 if report.updated else 1
         if self.writer is not None and iteration % self.args.tensorboard_log_interval == 0:
             self.writer.add_scalar("lm loss", loss, iteration)
             self.writer.add_scalar("learning-rate", lr, iteration)
@@ -52,13 +55,17 @@ class TrainLogger:
                 f" learning rate: {lr:.6E} |"
                 f" global batch size: {self.args.global_batch_size:5d} |"
                 f" lm loss: {loss:.6E} |"
+                + "".join(f" {name}: {value:.6E} |" for name, value in report.moe_losses.items())
+                + f" loss scale: {report.loss_scale:.1f} |"
                 f" grad norm: {grad_norm:.3f} |"
+                f" number of skipped iterations: {self.skipped_in_interval:3d} |"
                 f" tokens per second: {tokens_per_s:.1f} |")
         if parallel.is_rank0():
             print(line, flush=True)
         # The run timeline (tools/timeline.py) plots these against wall time: one short line per interval.
         events.record("progress", iteration=iteration, loss=json_safe(loss), grad_norm=json_safe(grad_norm))
         self.restart_interval()
+        self.skipped_in_interval = 0
 
     def validation(self, iteration: int, loss: float) -> None:
         ppl = math.exp(min(20.0, loss))

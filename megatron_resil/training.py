@@ -1,22 +1,32 @@
 """The training loop: one screen. Setup builds the parts; `train` steps, logs, evaluates, saves,
-and asks each stop condition after every iteration (the hook point for per-iteration checks)."""
+and asks each stop condition after every iteration (the hook point for per-iteration checks).
+A step is megatron-core's: its pipeline schedule runs forward and backward over the microbatches,
+its DDP reduces the gradients, its optimizer updates."""
 
 from __future__ import annotations
 
 import argparse
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_resil import cpu_compat, events, exit_codes, parallel, rerun
+from megatron_resil import core_fixes, cpu_compat, events, exit_codes, moe_metrics, parallel, rerun
 from megatron_resil.checkpointing.global_tier import CheckpointSaveError
 from megatron_resil.checkpointing.manager import CheckpointConfig, CheckpointManager
 from megatron_resil.data import build_datasets, get_microbatch
 from megatron_resil.fault_injection import FaultInjector
 from megatron_resil.fault_tolerance import FaultTolerance, report_restart
-from megatron_resil.model import build_model
-from megatron_resil.optimizer import Optimizer, build_scheduler
+from megatron_resil.model import build_model_chunks
+from megatron_resil.optimizer import (
+    build_optimizer,
+    build_scheduler,
+    learning_rate,
+    params_in_sync,
+    wrap_in_ddp,
+)
 from megatron_resil.progress import TrainProgress
 from megatron_resil.rerun_escape import RerunEscape
 from megatron_resil.stop_conditions import StopConditions
@@ -38,14 +48,15 @@ def pretrain(args: argparse.Namespace) -> int:
 
 def _pretrain(args: argparse.Namespace, ft: FaultTolerance) -> int:
     cpu_compat.apply_if_needed()
+    core_fixes.apply()
     parallel.initialize(args)
     events.configure(args.save)
     events.record("start", world_size=args.world_size, train_iters=args.train_iters, load=args.load)
     report_restart()
     ft.log_setup()
     tokenizer = build_tokenizer(args)
-    model = build_model(args, tokenizer.vocab_size)
-    optimizer = Optimizer(model, args)
+    model = wrap_in_ddp(build_model_chunks(args, tokenizer.vocab_size), args)
+    optimizer = build_optimizer(model, args)
     scheduler = build_scheduler(optimizer, args)
     faults = FaultInjector(args)
     rerun.initialize(rerun.RerunConfig.from_args(args))  # before the load: a checkpoint may hold its state
@@ -68,14 +79,14 @@ def train(args, model, optimizer, scheduler, checkpoints, progress: TrainProgres
           train_ds, valid_ds, faults: FaultInjector, ft: FaultTolerance) -> int:
     logger, stops, stop = TrainLogger(args), StopConditions(args), None
     escape = RerunEscape.from_args(args)  # bounds the rerun state machine's same-device retries
-    stragglers = StragglerDetection.from_args(args, optimizer)  # times each rank up to optimizer.step()
+    stragglers = StragglerDetection.from_args(args, model)  # times each rank's own forward and backward
     events.print_rank_0(f"training from iteration {progress.iteration} to {args.train_iters}")
     while progress.iteration < args.train_iters:
         with ft.step():  # an injected hang or slowness counts as part of the iteration
             stragglers.iteration_started()  # this rank's own work starts here, injected slowness included
             faults.before_iteration(progress.iteration + 1)
-            loss, grad_norm, stop = train_step(args, model, optimizer, scheduler, train_ds, progress, faults,
-                                               nan_checks=not checkpoints.canary_watching)
+            report, stop = train_step(args, model, optimizer, scheduler, train_ds, progress, faults,
+                                      nan_checks=not checkpoints.canary_watching)
         if stop is not None:  # the rerun state machine would end the job; this step was not taken
             progress, stop = escape.judge(stop, progress, checkpoints)  # or fall back to an older checkpoint
             if stop is not None:
@@ -83,9 +94,9 @@ def train(args, model, optimizer, scheduler, checkpoints, progress: TrainProgres
             continue
         progress.iteration += 1
         progress.consumed_train_samples += args.global_batch_size
-        logger.training_step(progress.iteration, progress.consumed_train_samples,
-                             optimizer.param_groups[0]["lr"], loss, grad_norm)
-        if (reloaded := checkpoints.check_canary(progress, loss, grad_norm)) is not None:
+        logger.training_step(progress.iteration, progress.consumed_train_samples, learning_rate(optimizer),
+                             report)
+        if (reloaded := checkpoints.check_canary(progress, report.loss, report.grad_norm)) is not None:
             progress = reloaded  # the non-persistent checkpoint was bad: back to a persistent one
             continue
         escape.step_taken(progress.iteration)  # after the canary: a step it rejects passed nothing
@@ -109,58 +120,109 @@ def train(args, model, optimizer, scheduler, checkpoints, progress: TrainProgres
     return stop.exit_code
 
 
-def _batch_loss(args, model, dataset, consumed: int, microbatch: int) -> torch.Tensor:
-    batch = get_microbatch(dataset, consumed, microbatch, args.micro_batch_size,
+class StepReport:
+    """What a taken step reports, the same on every rank: the loss (summed over the global batch's tokens,
+    divided by their number, as Megatron-LM reports it), the grad norm, the MoE auxiliary losses, and
+    whether the optimizer updated (fp16 loss scaling skips a step whose gradients overflowed)."""
+
+    def __init__(self, loss: float, grad_norm: float, updated: bool = True, loss_scale: float = 1.0,
+                 moe_losses: dict[str, float] | None = None) -> None:
+        self.loss, self.grad_norm, self.updated, self.loss_scale = loss, grad_norm, updated, loss_scale
+        self.moe_losses = moe_losses or {}
+
+
+def _microbatches(args) -> list:
+    """One iterator of microbatch numbers per model chunk: a batch is fetched by number (a pure function
+    of consumed samples), so a replayed step or a resumed job reads the same data."""
+    return [iter(range(args.num_microbatches)) for _ in range(args.virtual_pipeline_model_parallel_size or 1)]
+
+
+def _forward_step(args, dataset, consumed: int, on_loss, microbatches, chunk):
+    """megatron-core's forward_step_func: run one microbatch through `chunk`; on the last pipeline stage
+    also return the loss function the schedule applies to its output."""
+    batch = get_microbatch(dataset, consumed, next(microbatches), args.micro_batch_size,
                            parallel_state.get_data_parallel_rank(),
                            parallel_state.get_data_parallel_world_size())
-    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-    batch = {k: v.to(device) for k, v in batch.items()}
-    token_losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    mask = batch["loss_mask"].float()
-    return (token_losses.float() * mask).sum() / mask.sum().clamp(min=1.0)
+    batch = {key: value.to(parallel.device()) for key, value in batch.items()}
+    output = chunk(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(_loss, batch["loss_mask"], on_loss)
 
 
-def _mean_over_data_parallel(value: torch.Tensor) -> float:
-    group = parallel_state.get_data_parallel_group()
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(value, group=group)
-        value = value / dist.get_world_size(group)
-    return float(value)
+def _loss(loss_mask: torch.Tensor, on_loss, token_losses: torch.Tensor):
+    """Megatron-LM's loss_func: the sum of the unmasked tokens' losses and their count; the schedule
+    divides one by the other (and by the number of microbatches) for the gradient."""
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(token_losses.view(-1).float() * mask)
+    loss = on_loss(loss)  # validation (rerun.py), and where a drill poisons it
+    num_tokens = mask.sum().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.stack([loss.detach().clone(), num_tokens.float()])}
+
+
+def _reported_loss(reports: list[dict]) -> float:
+    """Sum of losses over sum of tokens across microbatches and data-parallel ranks, computed on the last
+    pipeline stage and sent to every rank (the log, the canary and the stop decisions need it everywhere)."""
+    total = torch.zeros(2, dtype=torch.float32, device=parallel.device())
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        for report in reports:
+            total += report["lm loss"].float()
+        dist.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(total, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                       group=parallel_state.get_pipeline_model_parallel_group())
+    return float(total[0] / total[1].clamp(min=1.0))
+
+
+def _run_schedule(args, model, dataset, consumed: int, on_loss, forward_only: bool) -> list[dict]:
+    return get_forward_backward_func()(
+        forward_step_func=partial(_forward_step, args, dataset, consumed, on_loss),
+        data_iterator=_microbatches(args) if len(model) > 1 else _microbatches(args)[0],
+        model=model, num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size, forward_only=forward_only)
 
 
 def train_step(args, model, optimizer, scheduler, dataset, progress: TrainProgress,
                faults: FaultInjector | None = None,
-               nan_checks: bool = True) -> tuple[float, float, rerun.RerunStop | None]:
-    """(loss, grad norm, None), or (nan, nan, stop) when the rerun state machine ends the job before the
-    optimizer step."""
-    model.train()
-    step = rerun.StepValidation(progress.iteration + 1, nan_checks=nan_checks)
+               nan_checks: bool = True) -> tuple[StepReport | None, rerun.RerunStop | None]:
+    """(report, None), or (None, stop) when the rerun state machine ends the job before the optimizer step."""
+    iteration = progress.iteration + 1
+    step = rerun.StepValidation(iteration, nan_checks=nan_checks)
+
+    def on_loss(loss: torch.Tensor) -> torch.Tensor:
+        if faults is not None:
+            loss = faults.poison_loss(loss, iteration)
+        step.check_loss(loss)
+        return loss
+
+    for chunk in model:
+        chunk.train()
     while step.runs():  # a second pass replays the step: same batches (consumed samples), same RNG
+        for chunk in model:
+            chunk.zero_grad_buffer()
+            chunk.ddp_config.check_for_nan_in_grad = step.grad_checks  # DDP's check before the reduction
         optimizer.zero_grad()
-        total = torch.zeros((), dtype=torch.float32)
-        for microbatch in range(args.num_microbatches):
-            loss = _batch_loss(args, model, dataset, progress.consumed_train_samples, microbatch)
-            if faults is not None:
-                loss = faults.poison_loss(loss, progress.iteration + 1)
-            step.check_loss(loss)
-            (loss / args.num_microbatches).backward()
-            total += loss.detach().cpu()
-        step.check_grads(optimizer.model_params)
-        optimizer.own_work_done()  # before the rerun machine's agreement (the step's first collective)
+        reports = _run_schedule(args, model, dataset, progress.consumed_train_samples, on_loss,
+                                forward_only=False)
     if (stop := step.verdict()) is not None:
-        return float("nan"), float("nan"), stop
-    grad_norm = optimizer.step()
-    scheduler.step(increment=args.global_batch_size)
-    return _mean_over_data_parallel(total / args.num_microbatches), grad_norm, None
+        return None, stop
+    updated, grad_norm, _ = optimizer.step()
+    if updated:
+        scheduler.step(increment=args.global_batch_size)
+    moe_losses = moe_metrics.reduce_aux_losses(args)
+    return StepReport(_reported_loss(reports), float("nan") if grad_norm is None else float(grad_norm),
+                      updated, float(optimizer.get_loss_scale()), moe_losses), None
 
 
 @torch.no_grad()
 def evaluate(args, model, dataset, progress: TrainProgress) -> float:
-    model.eval()
-    total = torch.zeros((), dtype=torch.float32)
-    for _ in range(args.eval_iters):
-        for microbatch in range(args.num_microbatches):
-            total += _batch_loss(args, model, dataset, progress.consumed_valid_samples, microbatch).cpu()
-        progress.consumed_valid_samples += args.global_batch_size
-    model.train()
-    return _mean_over_data_parallel(total / (args.eval_iters * args.num_microbatches))
+    for chunk in model:
+        chunk.eval()
+    reports = []
+    with params_in_sync(model, args):
+        for _ in range(args.eval_iters):
+            reports += _run_schedule(args, model, dataset, progress.consumed_valid_samples, lambda loss: loss,
+                                     forward_only=True)
+            progress.consumed_valid_samples += args.global_batch_size
+    moe_metrics.clear()  # evaluation's router losses are not training's
+    for chunk in model:
+        chunk.train()
+    return _reported_loss(reports)

@@ -145,8 +145,51 @@ BAD = {c.id: c for c in [
     Case("unknown-ckpt-format", set_={"--ckpt-format": "pickle"}, names=("--ckpt-format",)),
     Case("hidden-not-divisible-by-heads", set_={"--hidden-size": "66"},
          names=("--hidden-size 66", "--num-attention-heads 4")),
-    Case("pipeline-parallel-unsupported", set_={"--pipeline-model-parallel-size": "2"}, world_size=2,
+    # The engine's parallel layout (issue 12): combinations megatron-core would reject deep inside.
+    Case("layers-not-divisible-by-pp", set_={"--num-layers": "3", "--pipeline-model-parallel-size": "2"},
+         world_size=2, names=("--num-layers 3", "--pipeline-model-parallel-size 2")),
+    Case("virtual-stage-layers-do-not-divide",
+         set_={"--num-layers": "4", "--pipeline-model-parallel-size": "2",
+               "--num-layers-per-virtual-pipeline-stage": "3"}, world_size=2,
+         names=("--num-layers-per-virtual-pipeline-stage 3", "--num-layers 4")),
+    Case("virtual-stages-without-pipeline", set_={"--num-virtual-stages-per-pipeline-rank": "2"},
          names=("--pipeline-model-parallel-size",)),
+    Case("both-virtual-stage-flags", set_={"--num-layers": "4", "--pipeline-model-parallel-size": "2",
+                                           "--num-layers-per-virtual-pipeline-stage": "1",
+                                           "--num-virtual-stages-per-pipeline-rank": "2"}, world_size=2,
+         names=("--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank")),
+    Case("interleaved-microbatches-not-multiple-of-pp",
+         set_={"--num-layers": "4", "--pipeline-model-parallel-size": "2",
+               "--num-layers-per-virtual-pipeline-stage": "1", "--global-batch-size": "6"}, world_size=2,
+         names=("microbatches (3", "--pipeline-model-parallel-size 2")),
+    Case("world-not-divisible-by-tp-x-pp", set_={"--tensor-model-parallel-size": "2",
+                                                 "--pipeline-model-parallel-size": "2"}, world_size=6,
+         names=("world size 6", "--tensor-model-parallel-size 2", "--pipeline-model-parallel-size 2")),
+    Case("sequence-parallel-without-tp", extra=("--sequence-parallel",),
+         names=("--sequence-parallel", "--tensor-model-parallel-size")),
+    Case("context-parallel-on-cpu", set_={"--context-parallel-size": "2"}, world_size=2,
+         names=("--context-parallel-size",),
+         marks=pytest.mark.skipif(CUDA, reason="CUDA is present")),
+    Case("overlap-param-gather-without-distributed-optimizer",
+         extra=("--overlap-grad-reduce", "--overlap-param-gather"),
+         names=("--overlap-param-gather", "--use-distributed-optimizer")),
+    Case("overlap-param-gather-without-overlap-grad-reduce",
+         extra=("--use-distributed-optimizer", "--overlap-param-gather"),
+         names=("--overlap-param-gather", "--overlap-grad-reduce")),
+    Case("expert-parallel-without-experts", set_={"--expert-model-parallel-size": "2"}, world_size=2,
+         names=("--expert-model-parallel-size", "--num-experts")),
+    Case("experts-not-divisible-by-ep", set_={"--num-experts": "3", "--expert-model-parallel-size": "2"},
+         extra=("--disable-bias-linear",), world_size=2,
+         names=("--num-experts 3", "--expert-model-parallel-size 2")),
+    Case("ep-does-not-divide-ranks", set_={"--num-experts": "4", "--expert-model-parallel-size": "4"},
+         extra=("--disable-bias-linear",), world_size=2, names=("--expert-model-parallel-size 4",)),
+    Case("moe-with-bias", set_={"--num-experts": "4"}, names=("--num-experts", "--disable-bias-linear")),
+    Case("moe-topk-above-experts", set_={"--num-experts": "2", "--moe-router-topk": "3"},
+         extra=("--disable-bias-linear",), names=("--moe-router-topk 3", "--num-experts 2")),
+    Case("moe-grouped-gemm-on-cpu", set_={"--num-experts": "2"},
+         extra=("--disable-bias-linear", "--moe-grouped-gemm"), names=("--moe-grouped-gemm",),
+         marks=pytest.mark.skipif(CUDA, reason="CUDA is present")),
+    Case("loss-scale-not-positive", set_={"--loss-scale": "0"}, extra=("--fp16",), names=("--loss-scale",)),
     Case("save-retain-interval-without-save", drop=("--save",), set_={"--save-retain-interval": "5"},
          names=("--save-retain-interval", "--save")),
     Case("tensorboard-dir-is-a-file", set_={"--tensorboard-dir": "{file}"}, names=("--tensorboard-dir",)),
@@ -161,7 +204,8 @@ BAD = {c.id: c for c in [
     Case("save-under-a-file", set_={"--save": "{file}/ckpt"}, names=("--save",)),
 ]}
 
-SUBPROCESS_CASES = ("unknown-flag", "heads-not-divisible-by-tp", "load-is-a-file", "missing-data")
+SUBPROCESS_CASES = ("unknown-flag", "heads-not-divisible-by-tp", "load-is-a-file", "missing-data",
+                    "virtual-stage-layers-do-not-divide")
 
 
 def _scratch(tmp: Path) -> Path:
@@ -294,6 +338,37 @@ def test_weighted_data_path_with_existing_files_parses(tmp_path: Path) -> None:
     args = parse_args(argv, world_size=1)
     assert args.data_path == ["0.3", str(data / "a"), "0.7", str(data / "b")]
     assert not args.mock_data
+
+
+def test_engine_flags_get_megatron_defaults(tmp_path: Path) -> None:
+    args = parse_args(build_argv(_scratch(tmp_path)), world_size=1)
+    assert not args.use_distributed_optimizer and not args.overlap_grad_reduce
+    assert not args.overlap_param_gather and not args.accumulate_allreduce_grads_in_fp32
+    assert args.ddp_bucket_size is None and args.clip_grad == 1.0 and args.weight_decay == 0.01
+    assert (args.adam_beta1, args.adam_beta2, args.adam_eps) == (0.9, 0.999, 1e-8)
+    assert args.initial_loss_scale == 2.0**32 and args.min_loss_scale == 1.0 and args.hysteresis == 2
+    assert args.loss_scale is None and args.loss_scale_window == 1000
+    assert args.pipeline_model_parallel_size == 1 and args.virtual_pipeline_model_parallel_size is None
+    assert args.num_experts is None and args.moe_router_topk == 2 and args.expert_model_parallel_size == 1
+    assert args.moe_token_dispatcher_type == "allgather" and args.moe_router_load_balancing_type == "aux_loss"
+    assert args.moe_aux_loss_coeff == 0.0 and not args.sequence_parallel and args.context_parallel_size == 1
+
+
+def test_parallel_layout_sizes(tmp_path: Path) -> None:
+    """Data-parallel size is what TP x PP leave; virtual stages from either Megatron flag."""
+    tmp = _scratch(tmp_path)
+    layout = {"--num-layers": "8", "--tensor-model-parallel-size": "2", "--pipeline-model-parallel-size": "2",
+              "--global-batch-size": "8"}
+    args = parse_args(build_argv(tmp, {**layout, "--num-layers-per-virtual-pipeline-stage": "2"}),
+                      world_size=8)
+    assert args.data_parallel_size == 2 and args.virtual_pipeline_model_parallel_size == 2
+    assert args.num_microbatches == 2
+    args = parse_args(build_argv(tmp, {**layout, "--num-virtual-stages-per-pipeline-rank": "4"}),
+                      world_size=8)
+    assert args.virtual_pipeline_model_parallel_size == 4
+    args = parse_args(build_argv(tmp, {"--num-experts": "4", "--expert-model-parallel-size": "2"},
+                                 extra=("--disable-bias-linear",)), world_size=2)
+    assert args.data_parallel_size == 2 and args.expert_model_parallel_size == 2
 
 
 def test_load_missing_directory_is_fine(tmp_path: Path) -> None:

@@ -3,7 +3,8 @@
 A run interrupted at iteration k (`--exit-interval k`, mid-interval) and resumed from the tracker must
 continue exactly as the uninterrupted run: the same printed loss and grad norm at every later iteration
 and bitwise-identical final checkpoints, with TP=2 and with DP=2 (two microbatches per rank, dropout on,
-so the data position and every RNG state must come back). A bad tracker or a truncated newest checkpoint
+so the data position and every RNG state must come back; on megatron-core's distributed optimizer with
+both overlaps, and with sequence parallelism). A bad tracker or a truncated newest checkpoint
 costs one `[resil]` line and a fall-back to the newest complete checkpoint; debris of interrupted saves
 is cleaned and never loaded; retention follows Megatron; `--finetune` restarts at iteration 0.
 
@@ -43,10 +44,15 @@ K = 5  # ... and its interrupted twin stops at K: not a multiple of --save-inter
 TRACKER = "latest_checkpointed_iteration.txt"
 _PUBLISHED = re.compile(r"^iter_(\d{7})$")
 
-TP2 = [*launch.TINY_MODEL, *launch.TINY_TRAINING, "--tensor-model-parallel-size", "2"]
-# DP=2 with --global-batch-size 8 and micro batch 2: two microbatches per rank (gradient accumulation).
-# Dropout stays at its default 0.1, so a resume that lost an RNG state would show in the loss.
-DP2 = [*launch.TINY_MODEL, *launch.TINY_TRAINING, "--global-batch-size", "8"]
+# TP=2 with sequence parallelism: the norms' gradients summed across tensor-parallel ranks, the RNG
+# tracker's per-rank streams in the checkpoint.
+TP2 = [*launch.TINY_MODEL, *launch.TINY_TRAINING, "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+# DP=2 with --global-batch-size 8 and micro batch 2: two microbatches per rank (gradient accumulation), on
+# megatron-core's distributed optimizer (each rank holds half the Adam state) with gradient reduction and
+# parameter gathering overlapped. Dropout stays at its default 0.1, so a resume that lost an RNG state
+# would show in the loss.
+DP2 = [*launch.TINY_MODEL, *launch.TINY_TRAINING, "--global-batch-size", "8", "--use-distributed-optimizer",
+       "--overlap-grad-reduce", "--overlap-param-gather"]
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -115,7 +121,7 @@ def _assert_checkpoints_identical(a: Path, b: Path, scratch: Path) -> None:
 
     common_a = torch.load(a / "common.pt", weights_only=True)
     common_b = torch.load(b / "common.pt", weights_only=True)
-    args_a, args_b = common_a.pop("args"), common_b.pop("args")
+    args_a, args_b = vars(common_a.pop("args")), vars(common_b.pop("args"))  # Namespaces, as Megatron-LM
     assert _same(common_a, common_b)  # iteration, scheduler, optimizer step, version
     # Keys in one record only come from a flag added to pretrain.py between the two runs (a tree being
     # edited while the suite runs); they say nothing about the resume.

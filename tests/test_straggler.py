@@ -91,11 +91,17 @@ def _detector_args(**overrides) -> argparse.Namespace:
     return argparse.Namespace(**values)
 
 
-def _iterations(detector, optimizer, first: int, last: int) -> list:
+def _model_chunk():
+    """What the detector hooks into: a model chunk's config, whose finalize_model_grads_func the pipeline
+    schedule calls when this rank's forward and backward work is done."""
+    return SimpleNamespace(config=SimpleNamespace(finalize_model_grads_func=lambda *args, **kwargs: None))
+
+
+def _iterations(detector, chunk, first: int, last: int) -> list:
     results = []
     for iteration in range(first, last + 1):
         detector.iteration_started()
-        optimizer.before_step()  # what Optimizer.step() calls before its first collective
+        chunk.config.finalize_model_grads_func([chunk])  # as the schedule calls it after the backward pass
         results.append(detector.report(iteration))
     return results
 
@@ -103,27 +109,28 @@ def _iterations(detector, optimizer, first: int, last: int) -> list:
 def test_off_at_startup_until_switched_on_through_the_control_port(capsys, monkeypatch):
     monkeypatch.setattr(events, "_event_log_path", None)
     args = _detector_args(disable_straggler_on_startup=True)
-    optimizer = SimpleNamespace(before_step=None)
-    detector = TimedRanks(args, optimizer)
+    chunk = _model_chunk()
+    detector = TimedRanks(args, [chunk])
     assert "straggler detection OFF" in capsys.readouterr().out
-    _iterations(detector, optimizer, 1, 2)
+    _iterations(detector, chunk, 1, 2)
     assert detector.samples == [] and "straggler report" not in capsys.readouterr().out
 
     with socket.create_connection(("127.0.0.1", args.straggler_ctrlr_port)) as conn:
         conn.sendall(b"GET / HTTP/1.0\r\n\r\n")
         assert b"Will turn straggler detection ON at the next report" in conn.recv(1024)
-    _iterations(detector, optimizer, 3, 4)  # switched at the report of iteration 4, nothing to report yet
+    _iterations(detector, chunk, 3, 4)  # switched at the report of iteration 4, nothing to report yet
     assert "Toggling straggler detection ON" in capsys.readouterr().out
-    assert _iterations(detector, optimizer, 5, 6) == [None, None]  # one rank: never a straggler
+    assert _iterations(detector, chunk, 5, 6) == [None, None]  # one rank: never a straggler
     out = capsys.readouterr().out
     assert "straggler report at iteration 6 | MnRtt/Rnk:" in out
     assert "Rank relative performance:\n  Rank=0 Node=" in out and "Straggler report processing time:" in out
 
 
 def test_without_log_straggler_nothing_is_timed_or_gathered():
-    optimizer = SimpleNamespace(before_step=None)
-    detection = StragglerDetection.from_args(argparse.Namespace(log_straggler=False), optimizer)
-    assert type(detection) is StragglerDetection and optimizer.before_step is None
+    chunk = _model_chunk()
+    finalize = chunk.config.finalize_model_grads_func
+    detection = StragglerDetection.from_args(argparse.Namespace(log_straggler=False), [chunk])
+    assert type(detection) is StragglerDetection and chunk.config.finalize_model_grads_func is finalize
     assert detection.report(100) is None
 
 

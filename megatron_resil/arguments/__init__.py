@@ -20,7 +20,9 @@ from megatron_resil.arguments import (
     fault_tolerance,
     inprocess,
     logging_args,
+    mixed_precision,
     model,
+    moe,
     rerun,
     signals,
     straggler,
@@ -29,8 +31,8 @@ from megatron_resil.arguments import (
 from megatron_resil.arguments.errors import ArgumentError
 
 # Order matters only for --help readability; validation order follows dependencies.
-_GROUPS = (model, training, data, distributed, checkpointing, signals, fault_injection, fault_tolerance,
-           inprocess, logging_args, straggler, rerun)
+_GROUPS = (model, mixed_precision, moe, training, data, distributed, checkpointing, signals, fault_injection,
+           fault_tolerance, inprocess, logging_args, straggler, rerun)
 
 
 class _Parser(argparse.ArgumentParser):

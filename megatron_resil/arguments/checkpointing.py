@@ -24,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="what global checkpoints are written in: torch_dist, or zarr (zarr v3 through "
                         "tensorstore, one array per tensor, readable outside PyTorch; synchronous saves "
                         "only). Loading reads either.")
+    g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
+                   help="save the distributed optimizer's state fully reshardable (any data-parallel "
+                        "size, gathered per parameter); default: dp_reshardable (each rank's buffer shard)")
     g.add_argument("--no-save-optim", action="store_true")
     g.add_argument("--no-save-rng", action="store_true")
     g.add_argument("--no-load-optim", action="store_true")

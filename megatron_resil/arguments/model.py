@@ -30,8 +30,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--bf16", action="store_true")
-    g.add_argument("--fp16", action="store_true")
     g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default=None,
                    help="default: transformer_engine when CUDA and Transformer Engine are present, "
                         "else local")
@@ -65,10 +63,6 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         args.num_query_groups = args.num_attention_heads
     elif args.num_attention_heads % args.num_query_groups:
         raise ArgumentError("--num-attention-heads must be divisible by --num-query-groups")
-    if args.bf16 and args.fp16:
-        raise ArgumentError("--bf16 and --fp16 are mutually exclusive; pick one")
-    if args.fp16:
-        raise ArgumentError("--fp16 needs a loss scaler this framework does not have yet; use --bf16")
     for flag in ("hidden_dropout", "attention_dropout"):
         if not 0.0 <= getattr(args, flag) < 1.0:
             raise ArgumentError(f"--{flag.replace('_', '-')} must be in [0, 1)")

@@ -61,6 +61,7 @@ class GlobalTier(CheckpointTier):
         self.write_tracker = write_tracker
         self.verify_checksums = verify_checksums
         self.on_staged = None  # called with the iteration after the shards are written, before publish
+        self._common_of: tuple[str, dict] | None = None
 
     # ---- load side -------------------------------------------------------------------------
     def candidates(self) -> list[TierCandidate]:
@@ -118,8 +119,17 @@ class GlobalTier(CheckpointTier):
                             iteration=candidate.iteration, path=target, reason=reason)
         _barrier()
 
-    def saved_args(self, candidate: TierCandidate) -> dict:
-        return dist_checkpointing.load_common_state_dict(candidate.path).get("args", {})
+    def saved_args(self, candidate: TierCandidate):
+        return self._common(candidate).get("args", {})
+
+    def saved_metadata(self, candidate: TierCandidate) -> dict | None:
+        return dist_checkpointing.load_content_metadata(preloaded_state_dict=self._common(candidate))
+
+    def _common(self, candidate: TierCandidate) -> dict:
+        """The candidate's common.pt (read once per candidate)."""
+        if self._common_of is None or self._common_of[0] != candidate.path:
+            self._common_of = (candidate.path, dist_checkpointing.load_common_state_dict(candidate.path))
+        return self._common_of[1]
 
     def load(self, candidate: TierCandidate, sharded_template: dict) -> dict:
         return dist_checkpointing.load(sharded_template, candidate.path)
@@ -129,11 +139,13 @@ class GlobalTier(CheckpointTier):
         staging = self._begin(iteration)
         if self.ckpt_format == "zarr":
             writer = zarr_strategy.ZarrSaveShardedStrategy()
-            dist_checkpointing.save(sharded_state, staging, sharded_strategy=self._parallel(writer))
+            dist_checkpointing.save(sharded_state, staging, sharded_strategy=self._parallel(writer),
+                                    content_metadata=self.content_metadata)
             own = checksum_files(staging, writer.files_written_by_me())
         else:
             with dcp_writer.without_torch_record_crc():
-                dist_checkpointing.save(sharded_state, staging, sharded_strategy=self._strategy())
+                dist_checkpointing.save(sharded_state, staging, sharded_strategy=self._strategy(),
+                                        content_metadata=self.content_metadata)
             own = checksum_own_shards(staging, parallel.rank())
         return self.finish(staging, iteration, gather_checksums(own))
 
@@ -142,7 +154,7 @@ class GlobalTier(CheckpointTier):
         megatron-core's finalize steps (global .metadata) and our publish follow on every rank."""
         staging = self._begin(iteration)
         request = dist_checkpointing.save(snapshot(sharded_state), staging, sharded_strategy=self._strategy(),
-                                          async_sharded_save=True)
+                                          async_sharded_save=True, content_metadata=self.content_metadata)
 
         def publish(per_rank_checksums: list) -> str:
             for finalize in request.finalize_fns:

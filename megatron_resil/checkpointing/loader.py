@@ -12,7 +12,12 @@ from dataclasses import dataclass
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_resil import events, parallel
-from megatron_resil.checkpointing.tier import CheckpointDataError, CheckpointTier, TierCandidate
+from megatron_resil.checkpointing.tier import (
+    CheckpointDataError,
+    CheckpointTier,
+    NotForThisRun,
+    TierCandidate,
+)
 
 
 class CheckpointLoadError(RuntimeError):
@@ -53,21 +58,31 @@ def newest_first(tiers: list[CheckpointTier], older_than: int | None = None):
         yield tier, candidates.pop(0)
 
 
-def load_first_verified(tiers: list[CheckpointTier], make_template: Callable[[TierCandidate, dict], dict],
+TemplateMaker = Callable[[TierCandidate, object, "dict | None"], dict]
+
+
+def load_first_verified(tiers: list[CheckpointTier], make_template: TemplateMaker,
                         older_than: int | None = None) -> LoadResult | None:
     """`tiers` in order of trust; candidates are tried newest first across all of them (those of
-    iterations before `older_than` only, if given)."""
+    iterations before `older_than` only, if given). `make_template(candidate, saved args, saved sharding
+    metadata)` builds what the candidate is loaded into."""
     for tier, candidate in newest_first(tiers, older_than):
         where = f"{candidate.tier} iteration {candidate.iteration} ({candidate.path})"
         reason = tier.verify(candidate)
         if not parallel.all_ranks_agree(reason is None):
-            why = _summarise(parallel.all_gather_object(reason))
+            reasons = parallel.all_gather_object(reason)
+            why = _summarise(reasons)
+            if any(isinstance(r, NotForThisRun) for r in reasons):  # it explains the others' findings too
+                events.decision("load", f"passed over {where}: {why}", verdict="skipped", tier=candidate.tier,
+                                iteration=candidate.iteration, path=candidate.path, reason=why)
+                continue
             events.decision("load", f"rejected {where}: {why}", verdict="rejected", tier=candidate.tier,
                             iteration=candidate.iteration, path=candidate.path, reason=why)
             tier.quarantine(candidate, why)
             continue
         try:
-            state = tier.load(candidate, make_template(candidate, tier.saved_args(candidate)))
+            template = make_template(candidate, tier.saved_args(candidate), tier.saved_metadata(candidate))
+            state = tier.load(candidate, template)
             failure = None
         except CheckpointDataError as err:  # bad data found while reading: reject, as verification would
             state, failure = None, ("data", _one_line(err))

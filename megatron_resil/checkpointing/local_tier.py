@@ -34,7 +34,7 @@ from megatron_resil.checkpointing.atomic import atomic_write_text
 from megatron_resil.checkpointing.global_tier import CheckpointSaveError
 from megatron_resil.checkpointing.replication import build_clique_strategy, comm_device
 from megatron_resil.checkpointing.sealed_shard import SealedShard, crc32_of, read_payload
-from megatron_resil.checkpointing.tier import AsyncSaveJob, CheckpointTier, TierCandidate
+from megatron_resil.checkpointing.tier import AsyncSaveJob, CheckpointTier, NotForThisRun, TierCandidate
 
 MANIFEST_SUFFIX = ".manifest.json"
 QUARANTINE_DIR = "quarantined"
@@ -117,8 +117,11 @@ def _owner_of(name: str) -> int:
 class LocalTier(CheckpointTier):
     supports_async_save = True
     def __init__(self, root: str, *, algo: str = "fully_parallel", replication: tuple[int, int] | None = None,
-                 verify_checksums: bool = True) -> None:
+                 verify_checksums: bool = True, parallel_layout: str = "") -> None:
         self.root = root
+        # Each shard is one rank's part under one parallel layout (recorded in its manifest): under
+        # another (fewer nodes after a loss, more after a return) it belongs to no rank of this run.
+        self.parallel_layout = parallel_layout
         self.name = "local"
         self.algo = algo
         self.verify_checksums = verify_checksums
@@ -160,6 +163,9 @@ class LocalTier(CheckpointTier):
         fetches its shard (own copy or a verified replica) and checks it again on arrival."""
         iteration, me = candidate.iteration, parallel.rank()
         files = self._my_files(iteration)
+        if (other := self._other_layout(files)) is not None:
+            return NotForThisRun(f"saved under another parallel layout ({other}; this run: "
+                                 f"{self.parallel_layout})")
         good: dict[int, SealedShard | None] = {}  # None: passed the cheap check, not read yet
         bad: dict[int, str] = {}
         for owner, path in sorted(files.items()):
@@ -200,6 +206,12 @@ class LocalTier(CheckpointTier):
         self._log_replica_use(iteration, sender)
         return None if why is None else f"copy of its shard received from rank {sender}: {why}"
 
+    def _other_layout(self, files: dict[int, Path]) -> str | None:
+        """Collective: the layout some rank's copies were saved under, if it is not this run's."""
+        found = {saved_layout(path) for path in files.values()} - {None, self.parallel_layout}
+        everywhere = sorted({layout for part in parallel.all_gather_object(sorted(found)) for layout in part})
+        return everywhere[0] if everywhere else None
+
     def _no_copy_reason(self, me: int, reports) -> str:
         own = reports[me][1].get(me, "missing")
         others = [f"rank {r}: {bad[me]}" for r, (_, bad) in enumerate(reports) if me in bad and r != me]
@@ -235,9 +247,9 @@ class LocalTier(CheckpointTier):
             events.decision("replica", f"local iteration {iteration}: shards fetched from replicas: "
                             + ", ".join(moved), tier=self.name, iteration=iteration)
 
-    def saved_args(self, candidate: TierCandidate) -> dict:
+    def saved_args(self, candidate: TierCandidate):
         assert self._fetched is not None and self._fetched[0] == candidate.iteration
-        return dict(self._fetched[1].common.get("args", {}))
+        return self._fetched[1].common.get("args", {})
 
     def load(self, candidate: TierCandidate, sharded_template: dict) -> dict:
         iteration, state = self._fetched
@@ -277,7 +289,9 @@ class LocalTier(CheckpointTier):
             sharded_state, algo=self.algo, parallelization_group=_dp_group())
         state.copy_tensors_to_cpu(non_blocking=False)
         self.manager.latest_iteration = -1  # NVRx refuses iterations below its cache (after a rollback)
-        return SealedShard.seal(state, iteration=iteration, owner=parallel.rank(), comm_device=comm_device())
+        shard = SealedShard.seal(state, iteration=iteration, owner=parallel.rank(), comm_device=comm_device())
+        shard.meta["layout"] = self.parallel_layout
+        return shard
 
     def save(self, sharded_state: dict, iteration: int) -> str:
         shard = self._seal(sharded_state, iteration)
@@ -355,6 +369,15 @@ def read_manifest(path: Path, iteration: int, owner: int) -> tuple[dict | None, 
         return None, (f"manifest is for rank {meta['owner']} iteration {meta['iteration']}, "
                       f"not rank {owner} iteration {iteration}")
     return meta, None
+
+
+def saved_layout(path: Path) -> str | None:
+    """The parallel layout a copy's owner recorded (None: unreadable, or saved before layouts were)."""
+    try:
+        layout = json.loads(Path(str(path) + MANIFEST_SUFFIX).read_text()).get("layout")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return layout if isinstance(layout, str) else None
 
 
 def check_copy_cheaply(path: Path, iteration: int, owner: int) -> str | None:

@@ -25,6 +25,7 @@ from megatron_resil.checkpointing.local_tier import LocalTier
 from megatron_resil.checkpointing.retention import apply_retention
 from megatron_resil.checkpointing.tier import CheckpointTier, TierCandidate
 from megatron_resil.checkpointing.tracker import tracker_path
+from megatron_resil.optimizer import params_in_sync
 from megatron_resil.progress import TrainProgress
 
 
@@ -75,12 +76,17 @@ class CheckpointConfig:
 
 
 class CheckpointManager:
-    def __init__(self, config: CheckpointConfig, model, optimizer, scheduler,
+    def __init__(self, config: CheckpointConfig, model: list, optimizer, scheduler,
                  args: argparse.Namespace, on_staged=None) -> None:
+        """`model`: this rank's model chunks (megatron-core DDP modules)."""
         self.config = config
         self.model, self.optimizer, self.scheduler, self.args = model, optimizer, scheduler, args
         self.save_tier = GlobalTier(config.save, ckpt_format=config.ckpt_format) if config.save else None
-        self.non_persistent_tier = _non_persistent_tier(config)
+        self.non_persistent_tier = _non_persistent_tier(config, parallel_layout(args))
+        for tier in (self.save_tier, self.non_persistent_tier):
+            if tier is not None:
+                tier.content_metadata = state.sharding_metadata(args,
+                                                                for_local_tier=isinstance(tier, LocalTier))
         self.canary = LoadCanary(config.canary_iters)
         self.async_saves = AsyncSaves(config.async_timeout_secs) if config.async_save else None
         self.last_saved_iteration: int | None = None
@@ -143,7 +149,9 @@ class CheckpointManager:
         return None if result is None else self._restore(result)
 
     def _persistent_tier(self) -> GlobalTier:
-        return GlobalTier(self.config.load, verify_checksums=self.config.verify_checksums)
+        tier = GlobalTier(self.config.load, verify_checksums=self.config.verify_checksums)
+        tier.content_metadata = state.sharding_metadata(self.args)
+        return tier
 
     def _first_verified(self, tiers: list[CheckpointTier],
                         older_than: int | None = None) -> loader.LoadResult | None:
@@ -156,11 +164,10 @@ class CheckpointManager:
         progress = state.restore(result.state, self.model, self.optimizer, self.scheduler,
                                  load_optimizer=self._load_optim, load_rng=self._load_rng,
                                  finetune=self.config.finetune)
-        tp = parallel_state.get_tensor_model_parallel_world_size()
         events.record("loaded", tier=result.candidate.tier, iteration=progress.iteration,
                       path=result.candidate.path)
         events.print_rank_0(
-            f"  successfully loaded checkpoint from {self.config.load} [ t 1/{tp}, p 1/1 ] "
+            f"  successfully loaded checkpoint from {self.config.load} {_ranks_tag()} "
             f"at iteration {progress.iteration} ({result.candidate.tier} tier, {result.candidate.path})")
         if progress.iteration and result.candidate.tier == "persistent" and \
                 _same_dir(self.config.load, self.config.save):
@@ -202,19 +209,22 @@ class CheckpointManager:
         parallel.shutdown()
         sys.exit(exit_codes.NO_CHECKPOINT)
 
-    def _template_for(self, candidate: TierCandidate, saved_args: dict) -> dict:
-        self._load_optim = self.config.load_optim and not saved_args.get("no_save_optim", False)
-        self._load_rng = self.config.load_rng and not saved_args.get("no_save_rng", False)
+    def _template_for(self, candidate: TierCandidate, saved_args, saved_metadata: dict | None) -> dict:
+        """What `candidate` is loaded into: this run's model and optimizer, sharded as the checkpoint was
+        (its metadata), with the optimizer and RNG states only where the checkpoint holds usable ones."""
+        if self.config.load_optim or self.config.load_rng:
+            state.check_format(saved_args)
+        saved = vars(saved_args) if isinstance(saved_args, argparse.Namespace) else dict(saved_args)
+        self._load_optim = self.config.load_optim and not saved.get("no_save_optim", False)
+        self._load_rng = self.config.load_rng and not saved.get("no_save_rng", False)
         if self.config.load_optim and not self._load_optim:
             events.warn(f"{candidate.path} holds no optimizer state (--no-save-optim); starting it fresh")
-        saved_world = saved_args.get("world_size")
-        if self._load_rng and saved_world not in (None, self.args.world_size):
-            events.warn(f"{candidate.path} was saved by {saved_world} ranks, this run has "
-                        f"{self.args.world_size}: RNG states are not restored")
+        if self._load_rng and (why := _rng_layout_change(saved, self.args)):
+            events.warn(f"{candidate.path} was saved with {why}: RNG states are not restored")
             self._load_rng = False
         return state.build_sharded_state(
             self.model, self.optimizer, self.scheduler, TrainProgress(), self.args,
-            with_optimizer=self._load_optim, with_rng=self._load_rng)
+            with_optimizer=self._load_optim, with_rng=self._load_rng, metadata=saved_metadata, loading=True)
 
     # ---- save ----------------------------------------------------------------------------------
     def maybe_save(self, progress: TrainProgress) -> bool:
@@ -252,9 +262,11 @@ class CheckpointManager:
         return True
 
     def _save_to(self, tier: CheckpointTier, progress: TrainProgress, use_async: bool = False) -> None:
-        sharded = state.build_sharded_state(
-            self.model, self.optimizer, self.scheduler, progress, self.args,
-            with_optimizer=self.config.save_optim, with_rng=self.config.save_rng)
+        with params_in_sync(self.model, self.args):  # the parameters this step produced, gathered
+            sharded = state.build_sharded_state(
+                self.model, self.optimizer, self.scheduler, progress, self.args,
+                with_optimizer=self.config.save_optim, with_rng=self.config.save_rng,
+                metadata=tier.content_metadata)
         use_async = use_async and self.async_saves is not None and tier.supports_async_save
         events.record("save_started", tier=tier.name, iteration=progress.iteration, asynchronous=use_async)
         if use_async:
@@ -269,10 +281,9 @@ class CheckpointManager:
             self.last_saved_iteration = iteration
         events.record("save_published", tier=tier.name, iteration=iteration, path=path,
                       seconds=round(seconds, 3))
-        tp = parallel_state.get_tensor_model_parallel_world_size()
         kind = "" if tier is self.save_tier else f"{tier.name} "
         events.print_rank_0(f"  successfully saved {kind}checkpoint from iteration {iteration:7d} "
-                            f"to {tier.root} [ t 1/{tp}, p 1/1 ]")
+                            f"to {tier.root} {_ranks_tag()}")
         if parallel.is_rank0() and isinstance(tier, GlobalTier):
             if tier is self.save_tier:
                 apply_retention(self.config.save, self.config.keep_last, self.config.save_retain_interval)
@@ -280,14 +291,40 @@ class CheckpointManager:
                 apply_retention(tier.root, keep_last=1, retain_interval=None)
 
 
-def _non_persistent_tier(config: CheckpointConfig) -> CheckpointTier | None:
+def _non_persistent_tier(config: CheckpointConfig, layout_of_run: str) -> CheckpointTier | None:
     if config.local_dir is not None:
         return LocalTier(config.local_dir, algo=config.local_algo, replication=config.replication,
-                         verify_checksums=config.verify_checksums)
+                         verify_checksums=config.verify_checksums, parallel_layout=layout_of_run)
     if config.non_persistent_dir is not None:
         return GlobalTier(config.non_persistent_dir, name="non-persistent",
                           verify_checksums=config.verify_checksums, ckpt_format=config.ckpt_format)
     return None
+
+
+def parallel_layout(args: argparse.Namespace) -> str:
+    """What a per-rank checkpoint depends on: the same layout, or its shards belong to other positions."""
+    optimizer = "distributed" if args.use_distributed_optimizer else "replicated"
+    return (f"world {args.world_size}, TP {args.tensor_model_parallel_size}, "
+            f"PP {args.pipeline_model_parallel_size}, "
+            f"VP {args.virtual_pipeline_model_parallel_size or 1}, CP {args.context_parallel_size}, "
+            f"EP {args.expert_model_parallel_size}, {optimizer} optimizer")
+
+
+def _rng_layout_change(saved: dict, args: argparse.Namespace) -> str | None:
+    """Why the checkpoint's RNG states do not fit this run, as Megatron-LM decides it: they are kept per
+    tensor- and pipeline-parallel rank (and per data-parallel rank under expert parallelism)."""
+    for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        if saved.get(flag, 1) != getattr(args, flag):
+            return f"--{flag.replace('_', '-')} {saved.get(flag, 1)} (this run: {getattr(args, flag)})"
+    if args.expert_model_parallel_size > 1 and saved.get("data_parallel_size") != args.data_parallel_size:
+        return f"data-parallel size {saved.get('data_parallel_size')} (this run: {args.data_parallel_size})"
+    return None
+
+
+def _ranks_tag() -> str:
+    """Megatron-LM's `[ t 1/TP, p 1/PP ]` of its checkpoint lines, as rank 0 prints them."""
+    return (f"[ t 1/{parallel_state.get_tensor_model_parallel_world_size()}, "
+            f"p 1/{parallel_state.get_pipeline_model_parallel_world_size()} ]")
 
 
 def _due(iteration: int, interval: int | None) -> bool:

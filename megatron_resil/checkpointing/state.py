@@ -1,76 +1,141 @@
-"""What a checkpoint holds, in Megatron's keys: model, optimizer, opt_param_scheduler, rng_state,
-iteration, args (with consumed samples), checkpoint_version, rerun_state_machine (None unless the
-checkpoint was saved for the rerun state machine's exit 16 or 17; see rerun.py). Built as a sharded state
-dict for dist_checkpointing; non-tensor values land in common.pt and load with torch.load(weights_only=True).
+"""What a checkpoint holds, in Megatron-LM's layout so either program resumes the other's checkpoints:
+args (a Namespace of plain values, consumed samples inside), checkpoint_version, iteration, model (model0,
+model1, ... with virtual pipeline stages), optimizer (megatron-core's own sharded state: the distributed
+optimizer's shards under --use-distributed-optimizer), opt_param_scheduler, rng_state (one ShardedObject per
+pipeline and tensor-parallel rank, as Megatron-LM keys it), rerun_state_machine (None unless saved for
+exit 16 or 17; see rerun.py) and num_floating_point_operations_so_far. Non-tensor values land in common.pt,
+which loads with torch.load(weights_only=True).
+
+The sharding metadata Megatron-LM records in metadata.json (`content_metadata`: the distributed optimizer's
+sharding type) says how the optimizer state is laid out; a load builds its template from the checkpoint's
+own metadata, so a checkpoint saved with one sharding type loads into a run configured with another.
 """
 
 from __future__ import annotations
 
 import argparse
 
-import torch.distributed as dist
+import torch
+from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.safe_globals import register_safe_globals
+from megatron.core.utils import unwrap_model
 
 from megatron_resil import parallel, rerun
 from megatron_resil.progress import TrainProgress
 
 CHECKPOINT_VERSION = 3.0
 _PLAIN = (int, float, str, bool, type(None))
+# argparse.Namespace and megatron-core's enums, as safe for torch.load(weights_only=True), which is how
+# megatron-core reads common.pt.
+register_safe_globals()
 
 
-def args_record(args: argparse.Namespace) -> dict:
-    """The command line as plain values, so loading it needs no unpickling of arbitrary objects."""
-    out = {}
+class OldCheckpointFormat(ValueError):
+    """A checkpoint written by megatron-resil before it trained on megatron-core's optimizer."""
+
+
+def args_record(args: argparse.Namespace) -> argparse.Namespace:
+    """The command line as a Namespace of plain values (what Megatron-LM reads back), nothing that would
+    need unpickling of arbitrary objects."""
+    out = argparse.Namespace()
     for key, value in vars(args).items():
         if isinstance(value, _PLAIN):
-            out[key] = value
+            setattr(out, key, value)
         elif isinstance(value, (list, tuple)) and all(isinstance(v, _PLAIN) for v in value):
-            out[key] = list(value)
+            setattr(out, key, list(value))
     return out
 
 
+def sharding_metadata(args: argparse.Namespace, for_local_tier: bool = False) -> dict:
+    """How model and optimizer state are sharded (Megatron-LM's `sharded_sd_metadata`), for a save. The
+    node-local tier keeps each rank's own shards (dp_reshardable), as Megatron-LM requires."""
+    metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    if args.use_distributed_optimizer:
+        fully = args.dist_ckpt_optim_fully_reshardable and not for_local_tier
+        metadata["distrib_optim_sharding_type"] = "fully_reshardable" if fully else "dp_reshardable"
+    return metadata
+
+
+def _with_groups(metadata: dict | None) -> dict:
+    return {**(metadata or {}),
+            "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+
+
 def _rng_object() -> ShardedObject:
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    # Every rank keeps its own RNG state: one shard per global rank.
-    return ShardedObject("rng_state", parallel.rng_state(), (world,), (parallel.rank(),), replica_id=0)
+    """This rank's RNG states, keyed as Megatron-LM keys them: per pipeline and tensor-parallel rank, the
+    data-parallel ranks holding replicas of one state (they draw the same numbers); per data-parallel rank
+    too under expert parallelism."""
+    pp = parallel_state.get_pipeline_model_parallel_rank()
+    tp = parallel_state.get_tensor_model_parallel_rank()
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    dp = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+        return ShardedObject("rng_state", [parallel.rng_state()], (pp_size, tp_size, dp_size), (pp, tp, dp),
+                             replica_id=0)
+    return ShardedObject("rng_state", [parallel.rng_state()], (pp_size, tp_size), (pp, tp), replica_id=dp)
 
 
-def build_sharded_state(model, optimizer, scheduler, progress: TrainProgress, args: argparse.Namespace,
-                        *, with_optimizer: bool, with_rng: bool) -> dict:
-    model_state = model.sharded_state_dict()
+def _model_keys(model: list) -> list[str]:
+    return ["model"] if len(model) == 1 else [f"model{i}" for i in range(len(model))]
+
+
+def build_sharded_state(model: list, optimizer, scheduler, progress: TrainProgress, args: argparse.Namespace,
+                        *, with_optimizer: bool, with_rng: bool, metadata: dict | None = None,
+                        loading: bool = False) -> dict:
+    """The sharded state dict to save (`metadata`: this run's `sharding_metadata`) or, with `loading`, the
+    template to load a checkpoint into (`metadata`: the checkpoint's own)."""
+    metadata = _with_groups(metadata)
     record = args_record(args)
-    record["consumed_train_samples"] = progress.consumed_train_samples
-    record["consumed_valid_samples"] = progress.consumed_valid_samples
+    record.consumed_train_samples = progress.consumed_train_samples
+    record.consumed_valid_samples = progress.consumed_valid_samples
     state = {
+        "args": record,
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": progress.iteration,
-        "args": record,
-        "model": model_state,
-        "opt_param_scheduler": scheduler.state_dict(),
         "num_floating_point_operations_so_far": 0,
         "rerun_state_machine": rerun.checkpoint_state(),
     }
+    # Keyed by the models themselves, as Megatron-LM keys them: without the DDP and Float16Module wrappers.
+    for key, chunk in zip(_model_keys(model), unwrap_model(model), strict=True):
+        state[key] = chunk.sharded_state_dict(metadata=metadata)
     if with_optimizer:
-        state["optimizer"] = optimizer.sharded_state_dict(model_state)
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=loading, metadata=metadata)
+        state["opt_param_scheduler"] = scheduler.state_dict()
     if with_rng:
         state["rng_state"] = _rng_object()
     return state
 
 
-def restore(loaded: dict, model, optimizer, scheduler, *, load_optimizer: bool, load_rng: bool,
+def check_format(saved_args) -> None:
+    """Refuse, with what to do, a checkpoint whose optimizer and RNG state we can no longer read."""
+    if isinstance(saved_args, dict):  # before 0.2 we saved the args as a plain dict
+        raise OldCheckpointFormat(
+            "it was written by megatron-resil's own optimizer, before training moved to megatron-core's: "
+            "resume its weights, iteration and schedule with --no-load-optim --no-load-rng (the "
+            "optimizer state starts fresh), or use --finetune")
+
+
+def restore(loaded: dict, model: list, optimizer, scheduler, *, load_optimizer: bool, load_rng: bool,
             finetune: bool) -> TrainProgress:
-    model.load_state_dict(loaded["model"])
+    for key, chunk in zip(_model_keys(model), unwrap_model(model), strict=True):
+        chunk.load_state_dict(loaded[key])
     if finetune:
         return TrainProgress()
     rerun.restore_state(loaded.get("rerun_state_machine"))
     if load_optimizer:
-        optimizer.load_sharded_state_dict(loaded["optimizer"])
+        with torch.no_grad():  # the distributed optimizer copies into views of fp32 parameters
+            optimizer.load_state_dict(loaded["optimizer"])
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if load_rng:
-        parallel.set_rng_state(loaded["rng_state"])
+        parallel.set_rng_state(loaded["rng_state"][0])
     record = loaded["args"]
+    saved = vars(record) if isinstance(record, argparse.Namespace) else record
     return TrainProgress(
         iteration=int(loaded["iteration"]),
-        consumed_train_samples=int(record.get("consumed_train_samples", 0)),
-        consumed_valid_samples=int(record.get("consumed_valid_samples", 0)),
+        consumed_train_samples=int(saved.get("consumed_train_samples", 0)),
+        consumed_valid_samples=int(saved.get("consumed_valid_samples", 0)),
     )
+

@@ -17,6 +17,11 @@ class CheckpointDataError(Exception):
     rejects the candidate as if verification had failed, instead of treating it as a model mismatch."""
 
 
+class NotForThisRun(str):
+    """A `verify` reason that passes over a candidate without quarantining it: nothing is wrong with it,
+    but this run cannot use it (e.g. a node-local checkpoint saved under another parallel layout)."""
+
+
 @dataclass(frozen=True)
 class TierCandidate:
     tier: str  # e.g. "persistent"
@@ -42,6 +47,8 @@ class AsyncSaveJob:
 class CheckpointTier(ABC):
     name: str
     supports_async_save = False  # True where save_async is implemented
+    # How the state this tier saves is sharded (state.sharding_metadata), set by the checkpoint manager.
+    content_metadata: dict | None = None
 
     @abstractmethod
     def candidates(self) -> list[TierCandidate]:
@@ -55,9 +62,14 @@ class CheckpointTier(ABC):
     def load(self, candidate: TierCandidate, sharded_template: dict) -> dict:
         """Collective: fill the template from the candidate and return the loaded state."""
 
-    def saved_args(self, candidate: TierCandidate) -> dict:
-        """The command line the candidate was saved with (after verify accepted it)."""
+    def saved_args(self, candidate: TierCandidate):
+        """The command line the candidate was saved with (after verify accepted it): a Namespace, or a
+        dict for checkpoints of megatron-resil before 0.2."""
         return {}
+
+    def saved_metadata(self, candidate: TierCandidate) -> dict | None:
+        """How the candidate's state is sharded (what `content_metadata` was when it was saved)."""
+        return self.content_metadata
 
     @abstractmethod
     def save(self, sharded_state: dict, iteration: int) -> str:

@@ -1,0 +1,38 @@
+"""The MoE routers' auxiliary losses, reduced across ranks as Megatron-LM reduces them for its log line
+(`load_balancing_loss: ... |`): megatron-core's routers add each layer's loss to a process-wide tracker
+during the forward passes; after each step every rank reduces it and it is cleared for the next."""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron.core.transformer.moe import moe_utils
+
+
+def tracked_names(args: argparse.Namespace) -> list[str]:
+    """Megatron-LM's names for the losses its router type records (it tests by substring, so
+    seq_aux_loss also reports load_balancing_loss)."""
+    balancing = args.moe_router_load_balancing_type
+    names = []
+    if "aux_loss" in balancing:
+        names.append("load_balancing_loss")
+    if "seq_aux_loss" in balancing:
+        names.append("seq_load_balancing_loss")
+    return names
+
+
+def reduce_aux_losses(args: argparse.Namespace) -> dict[str, float]:
+    """Collective on every rank after a training step: each tracked loss averaged over the MoE layers
+    and the step's microbatches; {} for a dense model."""
+    if args.num_experts is None or not tracked_names(args):
+        return {}
+    totals: dict = {}
+    moe_utils.track_moe_metrics(loss_scale=1.0 / args.num_microbatches, iteration=0, total_loss_dict=totals,
+                                force_initialize=True, track_names=tracked_names(args),
+                                num_layers=args.num_layers)
+    return {name: float(value) for name, value in totals.items()}
+
+
+def clear() -> None:
+    """Forget what forward passes outside training (evaluation) recorded."""
+    moe_utils.clear_aux_losses_tracker()
