@@ -12,8 +12,10 @@ repeated; the table shows the median of the per-repeat ratios and their spread (
    (model + Adam state from `build_sharded_state`) into a fresh directory, same save strategy.
 2. save throughput: bytes of the published checkpoint / atomic save time, divided by the
    throughput of plain Python writes + fsync of the same bytes in the same files on the same disk.
-3. step time: `megatron_resil.training.train_step` / a bare megatron-core loop (GPTModel forward
-   with labels, loss mean, backward, torch.optim.AdamW step) on the same model and batch.
+3. step time: `megatron_resil.training.train_step` (rerun validation, fault hooks, loss reporting) / a
+   bare megatron-core loop on the same engine: the same model chunks in megatron-core's DDP, the same
+   optimizer from get_megatron_optimizer (--use-distributed-optimizer), the same pipeline schedule with
+   a plain mean-loss function, optimizer.step(), scheduler.step().
 
 1 and 2 run on 2 ranks under torchrun (gloo, loopback); 3 runs afterwards in rank 0 alone, once
 the other rank has exited, as a world of one. Each GlobalTier.save is also timed step by step
@@ -260,17 +262,18 @@ def save_worker(opts: argparse.Namespace) -> None:
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
-    from megatron_resil import cpu_compat, parallel
+    from megatron_resil import core_fixes, cpu_compat, parallel
     from megatron_resil.arguments import parse_args
     from megatron_resil.checkpointing.global_tier import GlobalTier
     from megatron_resil.checkpointing.state import build_sharded_state
-    from megatron_resil.model import build_model
-    from megatron_resil.optimizer import Optimizer, build_scheduler
+    from megatron_resil.data import build_datasets
     from megatron_resil.progress import TrainProgress
     from megatron_resil.tokenizer import build_tokenizer
+    from megatron_resil.training import build_engine, train_step
 
     cfg = QUICK if opts.quick else FULL
     cpu_compat.apply_if_needed()  # megatron-core's torch_dist save calls CUDA entry points
+    core_fixes.apply()
     world = int(os.environ["WORLD_SIZE"])
     first_args = parse_args(pretrain_argv(cfg["save_small"]), world_size=world)
     parallel.initialize(first_args)
@@ -301,21 +304,16 @@ def save_worker(opts: argparse.Namespace) -> None:
 
     def build_state(shape: dict):
         args = parse_args(pretrain_argv(shape), world_size=world)
-        model = build_model(args, build_tokenizer(args).vocab_size)
-        optimizer = Optimizer(model, args)
-        scheduler = build_scheduler(optimizer, args)
-        optimizer.sharded_state_dict(model.sharded_state_dict())  # creates the Adam state
-        gen = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for st in optimizer.adam.state.values():  # realistic (non-zero) moments
-                st["exp_avg"].normal_(0, 1e-3, generator=gen)
-                st["exp_avg_sq"].uniform_(0, 1e-6, generator=gen)
+        tokenizer = build_tokenizer(args)
+        model, optimizer, scheduler = build_engine(args, tokenizer.vocab_size)
+        train_ds, _ = build_datasets(args, tokenizer)
+        train_step(args, model, optimizer, scheduler, train_ds, TrainProgress())  # realistic Adam state
         progress = TrainProgress(iteration=100, consumed_train_samples=800)
 
         def fresh_state() -> dict:
             return build_sharded_state(model, optimizer, scheduler, progress, args,
                                        with_optimizer=True, with_rng=True)
-        n_params = sum(p.numel() for p in model.parameters())
+        n_params = sum(p.numel() for chunk in model for p in chunk.parameters())
         return fresh_state, n_params
 
     def plain_strategy():
@@ -504,51 +502,58 @@ def step_benchmark(cfg: dict, threads: int) -> dict:
     """Runs in a process of its own, or in rank 0 after the other ranks have exited."""
     import torch
     import torch.distributed as dist
+    from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_resil import cpu_compat, parallel
+    from megatron_resil import core_fixes, cpu_compat, parallel, rerun
     from megatron_resil.arguments import parse_args
     from megatron_resil.data import build_datasets, get_microbatch
-    from megatron_resil.model import build_model
-    from megatron_resil.optimizer import Optimizer, build_scheduler
     from megatron_resil.progress import TrainProgress
     from megatron_resil.tokenizer import build_tokenizer
-    from megatron_resil.training import train_step
+    from megatron_resil.training import build_engine, train_step
 
     shape = cfg["step"]
     cpu_compat.apply_if_needed()
+    core_fixes.apply()
     torch.set_num_threads(threads)
-    args = parse_args(pretrain_argv(shape, mbs=shape["mbs"]), world_size=1)
+    args = parse_args([*pretrain_argv(shape, mbs=shape["mbs"]), "--use-distributed-optimizer"], world_size=1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     parallel.initialize(args)
+    rerun.initialize(rerun.RerunConfig.from_args(args))
     tokenizer = build_tokenizer(args)
-    model = build_model(args, tokenizer.vocab_size)
-    optimizer = Optimizer(model, args)
-    scheduler = build_scheduler(optimizer, args)
+    model, optimizer, scheduler = build_engine(args, tokenizer.vocab_size)
     train_ds, _ = build_datasets(args, tokenizer)
     # progress is not advanced, so train_step draws the same microbatch every step (it still pays
     # for fetching it from the dataset, as in training); the bare loop reuses that batch.
     progress = TrainProgress()
     batch = get_microbatch(train_ds, 0, 0, args.micro_batch_size, 0, 1)
     tokens, position_ids, labels = batch["tokens"], batch["position_ids"], batch["labels"]
-    bare_adam = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
-                                  eps=args.adam_eps, weight_decay=args.weight_decay)
+    schedule = get_forward_backward_func()
 
     def ours() -> None:
         train_step(args, model, optimizer, scheduler, train_ds, progress)
 
+    def bare_forward(data, chunk):
+        next(data)
+        output = chunk(tokens, position_ids, None, labels=labels)
+        return output, lambda out: (out.float().mean(), {"lm loss": out.detach().float().mean()})
+
     def bare() -> None:
-        model.train()
-        bare_adam.zero_grad(set_to_none=True)
-        loss = model(tokens, position_ids, None, labels=labels).float().mean()
-        loss.backward()
-        bare_adam.step()
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        schedule(forward_step_func=bare_forward, data_iterator=iter(range(args.num_microbatches)),
+                 model=model, num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+                 micro_batch_size=args.micro_batch_size, forward_only=False)
+        updated, _, _ = optimizer.step()
+        if updated:
+            scheduler.step(increment=args.global_batch_size)
 
     def one(fn) -> tuple[float, float]:
         w0, c0 = time.perf_counter(), time.process_time()
         fn()
         return time.perf_counter() - w0, time.process_time() - c0
 
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = sum(p.numel() for chunk in model for p in chunk.parameters())
     log(f"step: {n_params / 1e6:.2f}M params, seq {args.seq_length}, micro batch {args.micro_batch_size}, "
         f"{torch.get_num_threads()} torch threads; warm-up ...")
     for _ in range(cfg["step_warmup"]):

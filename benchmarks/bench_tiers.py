@@ -48,7 +48,6 @@ def model_argv(layers: int, hidden: int, heads: int) -> list[str]:
 
 def worker(opts: argparse.Namespace) -> None:
     sys.path.insert(0, REPO)
-    import torch
     import torch.distributed as dist
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
@@ -56,37 +55,36 @@ def worker(opts: argparse.Namespace) -> None:
         LocalCheckpointManager,
     )
 
-    from megatron_resil import cpu_compat, parallel
+    from megatron_resil import core_fixes, cpu_compat, parallel, rerun
     from megatron_resil.arguments import parse_args
     from megatron_resil.checkpointing import loader
     from megatron_resil.checkpointing.global_tier import GlobalTier
     from megatron_resil.checkpointing.local_tier import LocalTier
     from megatron_resil.checkpointing.replication import build_clique_strategy
     from megatron_resil.checkpointing.state import build_sharded_state
-    from megatron_resil.model import build_model
-    from megatron_resil.optimizer import Optimizer, build_scheduler
+    from megatron_resil.data import build_datasets
     from megatron_resil.progress import TrainProgress
+    from megatron_resil.tokenizer import build_tokenizer
+    from megatron_resil.training import build_engine, train_step
 
     cfg = QUICK if opts.quick else FULL
     cpu_compat.apply_if_needed()
+    core_fixes.apply()
     world = int(os.environ["WORLD_SIZE"])
     args = parse_args(model_argv(*cfg["shape"]), world_size=world)
     parallel.initialize(args)
-    model = build_model(args, 1025)
-    optimizer = Optimizer(model, args)
-    scheduler = build_scheduler(optimizer, args)
-    optimizer.sharded_state_dict(model.sharded_state_dict())
-    with torch.no_grad():
-        for st in optimizer.adam.state.values():
-            st["exp_avg"].normal_(0, 1e-3)
-            st["exp_avg_sq"].uniform_(0, 1e-6)
+    rerun.initialize(rerun.RerunConfig.from_args(args))
+    tokenizer = build_tokenizer(args)
+    model, optimizer, scheduler = build_engine(args, tokenizer.vocab_size)
+    train_ds, _ = build_datasets(args, tokenizer)
+    train_step(args, model, optimizer, scheduler, train_ds, TrainProgress())  # realistic Adam state
 
-    def state() -> dict:
+    def state(loading: bool = False) -> dict:
         return build_sharded_state(model, optimizer, scheduler, TrainProgress(iteration=10), args,
-                                   with_optimizer=True, with_rng=True)
+                                   with_optimizer=True, with_rng=True, loading=loading)
 
-    def template(_candidate=None, _saved_args=None) -> dict:
-        return state()
+    def template(_candidate=None, _saved_args=None, _saved_metadata=None) -> dict:
+        return state(loading=True)
 
     def timed(fn) -> float:
         dist.barrier()

@@ -39,18 +39,17 @@ def worker(opts: argparse.Namespace) -> None:
     logging.getLogger("megatron.core.rerun_state_machine").setLevel(logging.ERROR)  # a line per switch
 
     sys.path.insert(0, str(REPO))
-    from megatron_resil import cpu_compat, parallel, rerun
+    from megatron_resil import core_fixes, cpu_compat, parallel, rerun
     from megatron_resil.arguments import parse_args
     from megatron_resil.data import build_datasets
-    from megatron_resil.model import build_model
-    from megatron_resil.optimizer import Optimizer, build_scheduler
     from megatron_resil.progress import TrainProgress
     from megatron_resil.straggler import TimedRanks
     from megatron_resil.tokenizer import build_tokenizer
-    from megatron_resil.training import train_step
+    from megatron_resil.training import build_engine, train_step
 
     torch.set_num_threads(1)
     cpu_compat.apply_if_needed()
+    core_fixes.apply()
     argv = ["--num-layers", str(opts.layers), "--hidden-size", str(opts.hidden), "--num-attention-heads", "4",
             "--seq-length", str(opts.seq), "--max-position-embeddings", str(opts.seq),
             "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024", "--micro-batch-size", str(opts.mbs),
@@ -60,12 +59,11 @@ def worker(opts: argparse.Namespace) -> None:
     args = parse_args(argv, world_size=int(os.environ["WORLD_SIZE"]))
     parallel.initialize(args)
     tokenizer = build_tokenizer(args)
-    model = build_model(args, tokenizer.vocab_size)
-    optimizer = Optimizer(model, args)
-    scheduler = build_scheduler(optimizer, args)
+    model, optimizer, scheduler = build_engine(args, tokenizer.vocab_size)
     train_ds, _ = build_datasets(args, tokenizer)
     progress = TrainProgress()  # not advanced: every step draws the same microbatch, on both sides
-    stragglers = TimedRanks(args, optimizer)
+    # Its hook stays installed on both sides; without iteration_started (side B) it records nothing.
+    stragglers = TimedRanks(args, model)
     validating = rerun.RerunConfig(mode="validate_results", check_nan=True)
     plain = rerun.RerunConfig(mode="disabled", check_nan=False)
     a_steps = 0
@@ -73,7 +71,6 @@ def worker(opts: argparse.Namespace) -> None:
     def step(with_checks: bool) -> float:
         nonlocal a_steps
         rerun.initialize(validating if with_checks else plain)
-        optimizer.before_step = stragglers._work_done if with_checks else None
         torch.distributed.barrier()
         began = time.perf_counter()
         if with_checks:

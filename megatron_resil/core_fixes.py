@@ -17,6 +17,7 @@ def apply() -> None:
         _router_gemm_without_transformer_engine()
         _distributed_optimizer_on_torch_adam()
         _destroy_model_parallel_forgets_no_group()
+        _distributed_optimizer_padding_saved_as_zeros()
         _applied = True
 
 
@@ -37,7 +38,9 @@ def _distributed_optimizer_on_torch_adam() -> None:
     - `load_state_dict()` gives every parameter the same `step` tensor (torch's Adam then increments it
       once per parameter at each step), and then overwrites it with the template's step while copying the
       loaded tensors in: after a resume Adam's bias correction restarts from 0. Each parameter gets its
-      own tensor holding the step the checkpoint records in its param groups."""
+      own tensor holding the step the checkpoint records in its param groups.
+    - loading the fully reshardable format copies every per-parameter state key from the checkpoint,
+      which holds no `step` (it lives in the param groups): KeyError. The step is left to the above."""
     from megatron.core.optimizer import distrib_optimizer
 
     if getattr(distrib_optimizer, "HAVE_APEX_OR_TE", True):
@@ -68,8 +71,21 @@ def _distributed_optimizer_on_torch_adam() -> None:
             if isinstance(param_state.get("step"), torch.Tensor):
                 param_state["step"] = torch.tensor(float(step), dtype=param_state["step"].dtype)
 
+    set_states = optimizer_class._set_main_param_and_optimizer_states
+
+    @functools.wraps(set_states)
+    def set_states_but_step(self, model_param, tensors):
+        if "step" not in tensors:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            own_step = self.optimizer.state.get(main_param, {}).get("step")
+            if own_step is not None:
+                tensors = {**tensors, "step": own_step}  # copied onto itself: unchanged
+        return set_states(self, model_param, tensors)
+
     optimizer_class.state_dict = state_dict_before_first_step
     optimizer_class.load_state_dict = load_state_dict_with_own_steps
+    optimizer_class._set_main_param_and_optimizer_states = set_states_but_step
 
 
 def _destroy_model_parallel_forgets_no_group() -> None:
@@ -102,3 +118,35 @@ def _holds_process_group(value) -> bool:
     if isinstance(value, (list, tuple)):
         return any(isinstance(item, torch.distributed.ProcessGroup) for item in value)
     return False
+
+
+def _distributed_optimizer_padding_saved_as_zeros() -> None:
+    """The distributed optimizer's dp_reshardable checkpoint stores each gradient bucket whole, with the
+    padding between parameters taken from `torch.empty`: whatever bytes that memory held. Two saves of
+    the same state then differ (and so do their checksums), and garbage is written to disk. The padding
+    is saved as zeros; loading discards it either way."""
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor
+    from megatron.core.optimizer import distrib_optimizer
+
+    optimizer_class = distrib_optimizer.DistributedOptimizer
+    sharded_param_state = getattr(optimizer_class, "sharded_param_state_dp_reshardable", None)
+    if sharded_param_state is None:
+        return
+
+    @functools.wraps(sharded_param_state)
+    def with_zeroed_padding(self, *args, **kwargs):
+        state = sharded_param_state(self, *args, **kwargs)
+        for key, per_dtype in state.items():
+            if not isinstance(key, int):
+                continue  # per_bucket_numel and the like
+            for buckets in per_dtype.values():
+                for bucket in buckets:
+                    for entry in bucket:
+                        padding = entry.get("padding")
+                        if isinstance(padding, LocalNonpersistentObject) and padding.obj is True:
+                            for value in entry.values():
+                                if isinstance(value, ShardedTensor) and value.data is not None:
+                                    value.data.zero_()
+        return state
+
+    optimizer_class.sharded_param_state_dp_reshardable = with_zeroed_padding

@@ -217,6 +217,10 @@ def _report_cpu_tensors_as_cuda() -> None:
     # raise TypeError for anything but torch.cuda.{Float,Half,BFloat16}Tensor.
     for cls in (optimizer.Float16OptimizerWithFloat16Params, distrib_optimizer.DistributedOptimizer):
         cls.__init__ = _within_cpu_tensors_pass_as_cuda(cls.__init__)
+    # The fully reshardable checkpoint format gathers each rank's state on data-parallel rank 0, moving it
+    # with `.cuda()` when the exchange is not over gloo.
+    distrib_optimizer.DistributedOptimizer.get_parameter_state_dp_zero = _within_cpu_tensors_pass_as_cuda(
+        distrib_optimizer.DistributedOptimizer.get_parameter_state_dp_zero)
     # clip_grad_by_total_norm_fp32 asserts `grad.type() == 'torch.cuda.FloatTensor'`; optimizer.py calls
     # it through its own imported name.
     wrapped_clip = _within_cpu_tensors_pass_as_cuda(clip_grads.clip_grad_by_total_norm_fp32)

@@ -55,9 +55,7 @@ def _pretrain(args: argparse.Namespace, ft: FaultTolerance) -> int:
     report_restart()
     ft.log_setup()
     tokenizer = build_tokenizer(args)
-    model = wrap_in_ddp(build_model_chunks(args, tokenizer.vocab_size), args)
-    optimizer = build_optimizer(model, args)
-    scheduler = build_scheduler(optimizer, args)
+    model, optimizer, scheduler = build_engine(args, tokenizer.vocab_size)
     faults = FaultInjector(args)
     rerun.initialize(rerun.RerunConfig.from_args(args))  # before the load: a checkpoint may hold its state
     checkpoints = CheckpointManager(CheckpointConfig.from_args(args), model, optimizer, scheduler, args,
@@ -73,6 +71,13 @@ def _pretrain(args: argparse.Namespace, ft: FaultTolerance) -> int:
         code = exit_codes.SAVE_FAILED
     parallel.shutdown()
     return code
+
+
+def build_engine(args: argparse.Namespace, vocab_size: int):
+    """megatron-core's engine for this rank: (model chunks in DDP, optimizer, LR scheduler)."""
+    model = wrap_in_ddp(build_model_chunks(args, vocab_size), args)
+    optimizer = build_optimizer(model, args)
+    return model, optimizer, build_scheduler(optimizer, args)
 
 
 def train(args, model, optimizer, scheduler, checkpoints, progress: TrainProgress,

@@ -56,9 +56,11 @@ LOSS_ITERATION = 9  # a/b/c: node 1's ranks stop before it (its local checkpoint
 NAN_ITERATION = 17  # d
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
          "--max-position-embeddings", "32", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128"]
-TRAINING = ["--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3", "--min-lr", "1e-4",
-            "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--mock-data", "--log-interval", "1",
-            "--eval-interval", "1000", "--eval-iters", "1"]
+# The distributed optimizer: each rank's local shard holds the only copy of its part of the Adam state,
+# which is what the replicas protect.
+TRAINING = ["--use-distributed-optimizer", "--micro-batch-size", "2", "--global-batch-size", "8",
+            "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
+            "--mock-data", "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1"]
 FT = ["--ft-rank-section-timeouts", "setup:180,step:30,checkpointing:90", "--ft-rank-out-of-section-timeout",
       "120", "--ft-workload-check-interval", "1"]
 
@@ -296,11 +298,15 @@ def poison_shard(path: Path) -> None:
     manifest = Path(str(path) + ".manifest.json")
     meta = json.loads(manifest.read_text())
     state = SealedShard(torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8), meta).unseal()
-    weight = next(t for t in nested_values(state.sharded_state_dict)
-                  if isinstance(t, ShardedTensor) and t.data is not None and "weight" in t.key
-                  and not t.key.startswith("optimizer"))
+    tensors = [t for t in nested_values(state.sharded_state_dict)
+               if isinstance(t, ShardedTensor) and t.data is not None and t.data.numel()]
+    weight = next(t for t in tensors if "weight" in t.key and "optimizer" not in t.key)
+    # The distributed optimizer keeps its own fp32 copy of the weights (`...param`), which a load copies
+    # over the model's: the bad write hits both, as a bad device writing the shard would.
+    main_params = [t for t in tensors if "optimizer" in t.key and t.key.endswith(".param")]
     with torch.no_grad():
-        weight.data.view(-1)[0] = float("nan")
+        for tensor in [weight, *main_params]:
+            tensor.data.view(-1)[0] = float("nan")
     resealed = SealedShard.seal(state, iteration=meta["iteration"], owner=meta["owner"])
     path.write_bytes(resealed.payload.numpy().tobytes())
     manifest.write_text(json.dumps({**resealed.meta, "format": "sealed-v1"}))

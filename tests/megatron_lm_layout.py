@@ -34,9 +34,8 @@ from megatron.core.utils import unwrap_model  # noqa: E402
 
 from megatron_resil import core_fixes, cpu_compat, parallel, rerun  # noqa: E402
 from megatron_resil.arguments import parse_args  # noqa: E402
-from megatron_resil.model import build_model_chunks  # noqa: E402
-from megatron_resil.optimizer import build_optimizer, build_scheduler, wrap_in_ddp  # noqa: E402
 from megatron_resil.tokenizer import build_tokenizer  # noqa: E402
+from megatron_resil.training import build_engine  # noqa: E402
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -179,9 +178,7 @@ def main() -> int:
     core_fixes.apply()
     parallel.initialize(args)
     rerun.initialize(rerun.RerunConfig.from_args(args))
-    model = wrap_in_ddp(build_model_chunks(args, build_tokenizer(args).vocab_size), args)
-    optimizer = build_optimizer(model, args)
-    scheduler = build_scheduler(optimizer, args)
+    model, optimizer, scheduler = build_engine(args, build_tokenizer(args).vocab_size)
     # Megatron-LM's own attributes that pretrain.py does not have.
     args.ckpt_format, args.use_dist_ckpt, args.ckpt_fully_parallel_save = "torch_dist", True, True
     iteration = load_checkpoint(args, model, optimizer, scheduler, ours.megatron_load)

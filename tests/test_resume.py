@@ -114,7 +114,8 @@ def _assert_checkpoints_identical(a: Path, b: Path, scratch: Path) -> None:
     tensors_a = _dcp_state(a, scratch / "a.pt")
     tensors_b = _dcp_state(b, scratch / "b.pt")
     assert tensors_a.keys() == tensors_b.keys()
-    assert any(k.startswith("optimizer.") for k in tensors_a) and any("rng_state" in k for k in tensors_a)
+    assert any(k.startswith(("optimizer.", "chained_")) for k in tensors_a)  # chained_<i>.optimizer. with MoE
+    assert any("rng_state" in k for k in tensors_a)
     # Every key: weights and Adam moments (torch.equal), and each rank's RNG states (ShardedObjects).
     different = sorted(k for k in tensors_a if not _same(tensors_a[k], tensors_b[k]))
     assert not different, f"{len(different)} of {len(tensors_a)} entries differ: {different[:8]}"

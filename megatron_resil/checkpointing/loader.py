@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron_resil import events, parallel
 from megatron_resil.checkpointing.tier import (
     CheckpointDataError,
+    CheckpointFormatError,
     CheckpointTier,
     NotForThisRun,
     TierCandidate,
@@ -86,6 +87,8 @@ def load_first_verified(tiers: list[CheckpointTier], make_template: TemplateMake
             failure = None
         except CheckpointDataError as err:  # bad data found while reading: reject, as verification would
             state, failure = None, ("data", _one_line(err))
+        except CheckpointFormatError as err:  # the same on every rank: common.pt is shared
+            state, failure = None, ("format", str(err))
         # Reported collectively below, so no rank is left waiting. torch's DCP raises
         # CheckpointException, a BaseException.
         except (Exception, CheckpointException) as err:
@@ -99,6 +102,9 @@ def load_first_verified(tiers: list[CheckpointTier], make_template: TemplateMake
                                 reason=why)
                 tier.quarantine(candidate, why)
                 continue
+            if any(f is not None and f[0] == "format" for f in failures):
+                refused = next(f[1] for f in failures if f is not None and f[0] == "format")
+                raise CheckpointLoadError(f"{where}: {refused}")
             raise CheckpointLoadError(f"{where} passed verification but does not load into this model "
                                       f"({_summarise([f and f[1] for f in failures])}); check that the "
                                       "model and parallel flags match the run that saved it")

@@ -22,6 +22,7 @@ from megatron.core.safe_globals import register_safe_globals
 from megatron.core.utils import unwrap_model
 
 from megatron_resil import parallel, rerun
+from megatron_resil.checkpointing.tier import CheckpointFormatError
 from megatron_resil.progress import TrainProgress
 
 CHECKPOINT_VERSION = 3.0
@@ -29,10 +30,6 @@ _PLAIN = (int, float, str, bool, type(None))
 # argparse.Namespace and megatron-core's enums, as safe for torch.load(weights_only=True), which is how
 # megatron-core reads common.pt.
 register_safe_globals()
-
-
-class OldCheckpointFormat(ValueError):
-    """A checkpoint written by megatron-resil before it trained on megatron-core's optimizer."""
 
 
 def args_record(args: argparse.Namespace) -> argparse.Namespace:
@@ -112,7 +109,7 @@ def build_sharded_state(model: list, optimizer, scheduler, progress: TrainProgre
 def check_format(saved_args) -> None:
     """Refuse, with what to do, a checkpoint whose optimizer and RNG state we can no longer read."""
     if isinstance(saved_args, dict):  # before 0.2 we saved the args as a plain dict
-        raise OldCheckpointFormat(
+        raise CheckpointFormatError(
             "it was written by megatron-resil's own optimizer, before training moved to megatron-core's: "
             "resume its weights, iteration and schedule with --no-load-optim --no-load-rng (the "
             "optimizer state starts fresh), or use --finetune")

@@ -17,6 +17,11 @@ class CheckpointDataError(Exception):
     rejects the candidate as if verification had failed, instead of treating it as a model mismatch."""
 
 
+class CheckpointFormatError(Exception):
+    """Raised while building a candidate's load template when its format is one this program no longer
+    reads: the message says what to do; the loader stops there (an older candidate is no better)."""
+
+
 class NotForThisRun(str):
     """A `verify` reason that passes over a candidate without quarantining it: nothing is wrong with it,
     but this run cannot use it (e.g. a node-local checkpoint saved under another parallel layout)."""
