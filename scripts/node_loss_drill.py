@@ -16,7 +16,12 @@ joins, as Slurm would give one, and ft_launcher restarts the workers. Variants:
      with a diagnostic checkpoint, one same-device retry (--rerun-max-same-device-retries 1), the fallback
      to an older global checkpoint, the NaN again, and a stop with exit code 8 (do not requeue).
 
-    python scripts/node_loss_drill.py --variant a [--workdir DIR] [--timeout SECS]
+    python scripts/node_loss_drill.py --variant a [--layout dp] [--workdir DIR] [--timeout SECS]
+
+--layout picks the parallel layout of the 4 ranks (always on megatron-core's distributed optimizer, so
+each rank's shard holds the only copy of its part of the Adam state): dp (DP=4, the default), tp2-sp
+(TP=2 with sequence parallelism within a node), pp2 (two pipeline stages, one per node), pp2-interleaved,
+ep2-moe (4 experts, EP=2), tp2-pp2 (no data parallelism at all: the replicas are the only other copy).
 
 Everything goes under --workdir (default: a new directory under the system's temp dir): the checkpoints,
 each node's launcher log, the event log, the ledger and timeline.png. The drill prints a summary (exit
@@ -49,6 +54,16 @@ VARIANTS = {
     "b": "a replica corrupted at rest",
     "c": "a replica with a NaN weight and consistent checksums",
     "d": "a NaN that reproduces on the same device from every checkpoint",
+}
+LAYOUTS = {
+    "dp": [],
+    "tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    "pp2": ["--pipeline-model-parallel-size", "2"],
+    "pp2-interleaved": ["--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                        "--num-layers-per-virtual-pipeline-stage", "1"],
+    "ep2-moe": ["--num-experts", "4", "--expert-model-parallel-size", "2", "--disable-bias-linear",
+                "--moe-token-dispatcher-type", "alltoall"],
+    "tp2-pp2": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
 }
 NODES, RANKS_PER_NODE = 2, 2
 LOST_NODE = 1  # not node 0: its launcher hosts the rendezvous store, and a job dies with its store
@@ -101,8 +116,9 @@ def _signal_tree(pid: int, sig: int, include_root: bool = True) -> None:
 
 
 class Drill:
-    def __init__(self, variant: str, work: Path, timeout: float) -> None:
+    def __init__(self, variant: str, work: Path, timeout: float, layout: str = "dp") -> None:
         self.variant, self.work, self.deadline = variant, work, time.monotonic() + timeout
+        self.layout = layout
         self.save = work / "checkpoints"
         self.port = _free_port()
         self.nodes: dict[int, subprocess.Popen] = {}
@@ -114,14 +130,17 @@ class Drill:
 
     def pretrain_args(self, node: int) -> list[str]:
         iters = 18 if self.variant == "d" else 14
-        args = [*MODEL, *TRAINING, "--train-iters", str(iters), "--save", str(self.save),
+        args = [*MODEL, *TRAINING, *LAYOUTS[self.layout], "--train-iters", str(iters),
+                "--save", str(self.save),
                 "--load", str(self.save), "--save-interval", "6", "--non-persistent-ckpt-type", "local",
                 "--non-persistent-local-ckpt-dir", str(self.local_dir(node)),
                 "--non-persistent-save-interval", "2", "--replication", "--replication-jump", "2",
                 "--replication-factor", "2", "--enable-ft-package"]
         if self.variant == "d":
+            # A rank of the last pipeline stage, where the loss is computed (rank 0 without pipelining).
+            poisoned = NODES * RANKS_PER_NODE - 1 if "pp2" in self.layout else 0
             return [*args, "--inject-fault", "nan-loss", "--inject-fault-iteration", str(NAN_ITERATION),
-                    "--inject-fault-ranks", "0", "--inject-fault-repeat",
+                    "--inject-fault-ranks", str(poisoned), "--inject-fault-repeat",
                     "--rerun-max-same-device-retries", "1"]
         lost = ",".join(str(LOST_NODE * RANKS_PER_NODE + r) for r in range(RANKS_PER_NODE))
         return [*args, "--inject-fault", "hang", "--inject-fault-iteration", str(LOSS_ITERATION),
@@ -237,7 +256,8 @@ class Drill:
         except Exception as err:  # noqa: BLE001 - the picture is a convenience; the verdict stands
             picture = f"not drawn ({type(err).__name__}: {err})"
         failed = [what for what, ok in checks if not ok]
-        print(f"\n[drill] variant {self.variant}: node loss with {VARIANTS[self.variant]}")
+        print(f"\n[drill] variant {self.variant}: node loss with {VARIANTS[self.variant]} "
+              f"(layout {self.layout})")
         print(timeline.summary(line, str(self.save / "events.jsonl")))
         print(f"[drill] launchers exited {launcher_codes}; the run's last exit code: {code}")
         print(f"[drill] restarts: {len(line.attempts) - 1}; iterations recomputed: {line.recomputed}; "
@@ -319,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", default=None, help="an empty or new directory for everything the drill "
                                                         "writes (default: a new temp directory)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds before the drill gives up")
+    parser.add_argument("--layout", choices=sorted(LAYOUTS), default="dp",
+                        help="the parallel layout of the 4 ranks (default: dp, data parallel)")
     args = parser.parse_args(argv)
     if args.workdir is None:
         work = Path(tempfile.mkdtemp(prefix=f"node-loss-drill-{args.variant}-"))
@@ -327,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         if work.exists() and (not work.is_dir() or any(work.iterdir())):
             parser.error(f"--workdir {work} exists and is not an empty directory; name a new one")
         work.mkdir(parents=True, exist_ok=True)
-    drill = Drill(args.variant, work, args.timeout)
+    drill = Drill(args.variant, work, args.timeout, args.layout)
     try:
         return drill.run()
     except DrillError as err:
