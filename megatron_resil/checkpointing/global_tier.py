@@ -23,7 +23,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
 )
 
 from megatron_resil import events, parallel
-from megatron_resil.checkpointing import dcp_writer, layout, zarr_strategy
+from megatron_resil.checkpointing import dcp_writer, layout, safe_load, zarr_strategy
 from megatron_resil.checkpointing.atomic import fsync_dir, fsync_tree, publish_directory
 from megatron_resil.checkpointing.manifest import (
     checksum_files,
@@ -93,18 +93,24 @@ class GlobalTier(CheckpointTier):
             return "directory missing"
         # What marks a checkpoint complete when it has no manifest: DCP's .metadata, written last
         # (torch_dist), or megatron-core's metadata.json, written after the strategy returned (zarr).
-        marker = ".metadata" if _sharded_backend(path) in (None, "torch_dist") else "metadata.json"
+        backend = _sharded_backend(path) or "torch_dist"
+        marker = ".metadata" if backend == "torch_dist" else "metadata.json"
         if not os.path.isfile(os.path.join(path, marker)):
             return f"incomplete (no {marker})"
         if not has_manifest(path):
             events.warn(f"{path} has no manifest: saved by Megatron-LM or an older megatron-resil; "
                         f"only the presence of {marker} was checked")
-            return None
-        is_release = os.path.basename(path) == layout.RELEASE_DIR
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        # Every rank checks all sizes and the checksums of its share of the files.
-        return verify_manifest(path, None if is_release else candidate.iteration,
-                               share=(parallel.rank(), world), checksums=self.verify_checksums)
+        else:
+            is_release = os.path.basename(path) == layout.RELEASE_DIR
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            # Every rank checks all sizes and the checksums of its share of the files.
+            reason = verify_manifest(path, None if is_release else candidate.iteration,
+                                     share=(parallel.rank(), world), checksums=self.verify_checksums)
+            if reason is not None:
+                return reason
+        # Checksums cannot vouch for what the bytes ask an unpickler to do: whoever wrote them could
+        # have written the manifest.
+        return safe_load.check_checkpoint(path, backend)
 
     def quarantine(self, candidate: TierCandidate, reason: str) -> None:
         if parallel.is_rank0() and os.path.isdir(candidate.path) and \
@@ -128,11 +134,12 @@ class GlobalTier(CheckpointTier):
     def _common(self, candidate: TierCandidate) -> dict:
         """The candidate's common.pt (read once per candidate)."""
         if self._common_of is None or self._common_of[0] != candidate.path:
-            self._common_of = (candidate.path, dist_checkpointing.load_common_state_dict(candidate.path))
+            self._common_of = (candidate.path, safe_load.CommonLoadWeightsOnly().load_common(candidate.path))
         return self._common_of[1]
 
     def load(self, candidate: TierCandidate, sharded_template: dict) -> dict:
-        return dist_checkpointing.load(sharded_template, candidate.path)
+        return dist_checkpointing.load(sharded_template, candidate.path,
+                                       common_strategy=safe_load.CommonLoadWeightsOnly())
 
     # ---- save side -------------------------------------------------------------------------
     def save(self, sharded_state: dict, iteration: int) -> str:

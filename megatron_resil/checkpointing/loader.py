@@ -39,11 +39,17 @@ def _summarise(reasons: list[str | None]) -> str:
     return f"rank {first_rank}: {first}{more}"
 
 
-def _one_line(err: BaseException) -> str:
-    if isinstance(err, CheckpointException) and err.failures:  # DCP wraps each rank's real error
+def _root_cause(err: BaseException) -> BaseException:
+    """DCP wraps each rank's real error in a CheckpointException; the first one of them."""
+    if isinstance(err, CheckpointException) and err.failures:
         err = next(iter(err.failures.values()))
         if isinstance(err, tuple):  # (exception, traceback) in some torch versions
             err = err[0]
+    return err
+
+
+def _one_line(err: BaseException) -> str:
+    err = _root_cause(err)
     first_line = (str(err).splitlines() or [""])[0][:300]
     return f"{type(err).__name__}: {first_line}"
 
@@ -85,14 +91,16 @@ def load_first_verified(tiers: list[CheckpointTier], make_template: TemplateMake
             template = make_template(candidate, tier.saved_args(candidate), tier.saved_metadata(candidate))
             state = tier.load(candidate, template)
             failure = None
-        except CheckpointDataError as err:  # bad data found while reading: reject, as verification would
-            state, failure = None, ("data", _one_line(err))
-        except CheckpointFormatError as err:  # the same on every rank: common.pt is shared
-            state, failure = None, ("format", str(err))
         # Reported collectively below, so no rank is left waiting. torch's DCP raises
-        # CheckpointException, a BaseException.
+        # CheckpointException, a BaseException, around the error of each rank.
         except (Exception, CheckpointException) as err:
-            state, failure = None, ("model", _one_line(err))
+            cause = _root_cause(err)
+            if isinstance(cause, CheckpointDataError):  # bad data found while reading: as verification
+                state, failure = None, ("data", _one_line(cause))
+            elif isinstance(cause, CheckpointFormatError):  # the same on every rank: common.pt is shared
+                state, failure = None, ("format", str(cause))
+            else:
+                state, failure = None, ("model", _one_line(cause))
         if not parallel.all_ranks_agree(failure is None):
             failures = parallel.all_gather_object(failure)
             if any(f is not None and f[0] == "data" for f in failures):

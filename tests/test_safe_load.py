@@ -1,0 +1,154 @@
+"""A checkpoint directory is untrusted: a pickle planted in any of its object files (DCP's .metadata,
+common.pt, a byte item inside a .distcp file) is refused with one line naming the file and the class,
+is never run (each test checks that the command the pickle carries left no trace), and the loader
+falls back to the next checkpoint."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests import launch
+
+V0_1 = launch.REPO / "tests" / "data" / "checkpoint_v0_1" / "iter_0000002"
+
+
+class _Planted:
+    """Unpickling this runs a shell command (what an attacker would plant)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def _metadata(path: Path):
+    with open(path / ".metadata", "rb") as f:
+        return pickle.load(f)  # the test's own, trusted copy
+
+
+def _plant_in_metadata(ckpt: Path, marker: Path) -> str:
+    metadata = _metadata(ckpt)
+    metadata.planner_data = _Planted(marker)
+    with open(ckpt / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    return ".metadata"
+
+
+def _plant_in_common(ckpt: Path, marker: Path) -> str:
+    import torch
+    common = torch.load(ckpt / "common.pt", weights_only=False)  # the test's own, trusted copy
+    common["planted"] = _Planted(marker)
+    torch.save(common, ckpt / "common.pt")
+    return "common.pt"
+
+
+def _plant_in_byte_item(ckpt: Path, marker: Path, fqn_prefix: str = "rng_state") -> str:
+    """Replaces one byte item of a .distcp file with a planted torch.save, shifts the items behind it,
+    and rewrites .metadata to match (an attacker controls every byte). Returns the file's name."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    metadata = _metadata(ckpt)
+    index, stored = next((i, s) for i, s in metadata.storage_data.items() if i.fqn.startswith(fqn_prefix))
+    planted = io.BytesIO()
+    torch.save(_Planted(marker), planted)
+    file = ckpt / stored.relative_path
+    data = file.read_bytes()
+    new = planted.getvalue()
+    file.write_bytes(data[:stored.offset] + new + data[stored.offset + stored.length:])
+    shift = len(new) - stored.length
+    for other, info in list(metadata.storage_data.items()):
+        if info.relative_path == stored.relative_path and info.offset > stored.offset:
+            metadata.storage_data[other] = _StorageInfo(info.relative_path, info.offset + shift, info.length,
+                                                        info.transform_descriptors)
+    metadata.storage_data[index] = _StorageInfo(stored.relative_path, stored.offset, len(new),
+                                                stored.transform_descriptors)
+    with open(ckpt / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    return stored.relative_path
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    ckpt = tmp_path / "iter_0000002"
+    shutil.copytree(V0_1, ckpt)
+    return ckpt
+
+
+def test_an_untouched_checkpoint_passes_the_check(checkpoint):
+    from megatron_resil.checkpointing import safe_load
+    assert safe_load.check_checkpoint(str(checkpoint)) is None
+
+
+@pytest.mark.parametrize("where", ["metadata", "common", "byte_item"])
+def test_a_planted_pickle_is_refused_naming_the_file_and_class_and_never_runs(checkpoint, tmp_path, where):
+    from megatron_resil.checkpointing import safe_load
+    marker = tmp_path / "code_ran"
+    plant = {"metadata": _plant_in_metadata, "common": _plant_in_common,
+             "byte_item": _plant_in_byte_item}[where]
+    named = plant(checkpoint, marker)
+
+    reason = safe_load.check_checkpoint(str(checkpoint))
+    assert reason is not None and named in reason and "system" in reason, reason
+    assert "refused without running it" in reason
+    assert not marker.exists()
+
+
+def test_torchs_own_readers_refuse_it_too(checkpoint, tmp_path):
+    """What megatron-core calls during a load: DCP's metadata reader and the default planner's
+    load_bytes (weights_only=False upstream); both go through the allow-list once installed."""
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+    from megatron_resil.checkpointing import safe_load
+    marker = tmp_path / "code_ran"
+    plain = FileSystemReader(str(checkpoint)).read_metadata()
+    _plant_in_metadata(checkpoint, marker)
+    with pytest.raises(safe_load.UnsafeCheckpointError, match=r"\.metadata asks to unpickle posix\.system"):
+        FileSystemReader(str(checkpoint)).read_metadata()
+
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner({}, plain)
+    planted = io.BytesIO()
+    torch.save(_Planted(marker), planted)
+    planted.seek(0)
+    item = ReadItem(LoadItemType.BYTE_IO, MetadataIndex("x"), [], MetadataIndex("x"), [], [])
+    with pytest.raises(safe_load.UnsafeCheckpointError, match="posix.system"):
+        planner.load_bytes(item, planted)
+    assert not marker.exists()
+
+
+@pytest.mark.slow
+def test_the_loader_rejects_each_planted_checkpoint_and_resumes_from_a_clean_one(tmp_path):
+    save = tmp_path / "ckpt"
+    marker = tmp_path / "code_ran"
+    args = [*launch.TINY_MODEL, *launch.TINY_TRAINING, "--save", str(save), "--load", str(save),
+            "--save-interval", "1"]
+    first = launch.run([*args, "--train-iters", "4"])
+    assert first.returncode == 0, first.stdout[-3000:]
+    # No manifest: accepted with a warning before, so the checksums are no obstacle (an attacker
+    # could as well rewrite them).
+    for iteration, plant in ((4, _plant_in_metadata), (3, _plant_in_common), (2, _plant_in_byte_item)):
+        ckpt = save / f"iter_{iteration:07d}"
+        (ckpt / "resil_manifest.json").unlink()
+        plant(ckpt, marker)
+
+    resumed = launch.run([*args, "--train-iters", "5"])
+    out = resumed.stdout
+    assert resumed.returncode == 0, out[-3000:]
+    assert not marker.exists()
+    for iteration, named in ((4, ".metadata asks to unpickle posix.system"),
+                             (3, "common.pt asks to unpickle"), (2, ".distcp (item rng_state")):
+        line = next((x for x in out.splitlines() if f"load: rejected persistent iteration {iteration}" in x), "")
+        assert named in line, out[-4000:]
+    assert "successfully loaded checkpoint from" in out and "at iteration 1" in out
+    assert "Traceback" not in out
