@@ -1,7 +1,9 @@
 """Pretrain a megatron-core GPT with crash-safe checkpoints. Launch with torchrun (see README)."""
 
+import atexit
 import os
 import sys
+import threading
 
 if "--inprocess-restart" in sys.argv[1:]:
     # NVRx polls its store once a second, and each poll that times out makes torch print two C++
@@ -26,5 +28,18 @@ def main() -> int:
     return pretrain(args)
 
 
-if __name__ == "__main__":  # dist_checkpointing's multiprocessing Manager re-imports this module
-    sys.exit(main())
+def exit_without_teardown(code: int) -> None:
+    """Exit as Python would, minus the interpreter's teardown of torch and megatron-core: about a second
+    per rank that decides nothing (every file we write is closed by then, the event log and exit record
+    included). Non-daemon threads are joined and atexit handlers run first, as at a normal exit."""
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(int(code or 0))
+
+
+if __name__ == "__main__":  # a spawned helper (async save's Manager) re-imports this module: keep it light
+    exit_without_teardown(main())

@@ -4,4 +4,4 @@ from megatron_resil import lazy_compile
 
 __version__ = "0.1.0"
 
-lazy_compile.import_megatron_core()
+lazy_compile.install()

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 from megatron_resil.arguments import training
+from megatron_resil.arguments.device import cuda_available
 from megatron_resil.arguments.errors import ArgumentError
 
 
@@ -63,11 +62,11 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         if heads % tp:
             raise ArgumentError(f"{heads_flag} {heads} is not divisible by --tensor-model-parallel-size {tp}")
     if args.distributed_backend is None:
-        args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
-    elif args.distributed_backend == "nccl" and not torch.cuda.is_available():
+        args.distributed_backend = "nccl" if cuda_available() else "gloo"
+    elif args.distributed_backend == "nccl" and not cuda_available():
         raise ArgumentError("--distributed-backend nccl needs CUDA; use --distributed-backend gloo")
     if args.use_cpu_initialization is None:
-        args.use_cpu_initialization = not torch.cuda.is_available()
+        args.use_cpu_initialization = not cuda_available()
     _validate_pipeline(args)
     _validate_sequence_and_context(args)
     _validate_data_parallel_engine(args)
@@ -117,7 +116,7 @@ def _validate_sequence_and_context(args: argparse.Namespace) -> None:
         raise ArgumentError(f"--sequence-parallel needs --seq-length {args.seq_length} divisible by "
                             f"--tensor-model-parallel-size {tp}")
     if args.context_parallel_size > 1:
-        if not torch.cuda.is_available():
+        if not cuda_available():
             raise ArgumentError("--context-parallel-size > 1 needs CUDA: megatron-core runs context-parallel "
                                 "attention only in Transformer Engine; use --context-parallel-size 1 on CPU")
         if args.transformer_impl != "transformer_engine":

@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 
-import torch
-
+from megatron_resil.arguments.device import cuda_available
 from megatron_resil.arguments.errors import ArgumentError
 
 
@@ -36,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def transformer_engine_available() -> bool:
-    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+    return cuda_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
 def validate(args: argparse.Namespace, world_size: int) -> None:

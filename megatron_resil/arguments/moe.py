@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
+from megatron_resil.arguments.device import cuda_available
 from megatron_resil.arguments.errors import ArgumentError
 
 DISPATCHERS = ("allgather", "alltoall")
@@ -41,5 +40,5 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         # megatron-core's expert MLPs add the bias in place on an autograd view and fail in backward.
         raise ArgumentError("--num-experts needs --disable-bias-linear (megatron-core's experts take no "
                             "bias)")
-    if args.moe_grouped_gemm and not torch.cuda.is_available():
+    if args.moe_grouped_gemm and not cuda_available():
         raise ArgumentError("--moe-grouped-gemm needs CUDA (grouped GEMM kernels); leave it off on CPU")

@@ -1,6 +1,9 @@
 """Accommodations for megatron-core's torch_dist writer, so a save survives preemption and costs less.
 
-Its worker reports through a queue served by a spawned Manager process; we start that process
+Its writer reports through a queue. megatron-core makes it a queue served by a spawned Manager process,
+which costs every rank a fresh interpreter that imports torch (seconds on two cores) and dies with the
+job-wide SIGTERM. A synchronous save reports within the process that runs it, so it gets an in-process
+queue; only --async-save, whose worker is another process, needs the Manager: we start that one
 ourselves, early and deaf to termination signals. And torch.save's own per-record CRC, which nothing
 checks on load, is skipped while our manifest's CRC covers the same bytes.
 """
@@ -10,14 +13,14 @@ from __future__ import annotations
 import atexit
 import contextlib
 import multiprocessing as mp
-import os
-import signal
+import queue
 import threading
-import time
 from multiprocessing.managers import SyncManager
 
 import torch
 from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+from megatron_resil.checkpointing import write_queue_server
 
 
 @contextlib.contextmanager
@@ -37,20 +40,16 @@ def without_torch_record_crc():
         serialization.set_crc32_options(previous)
 
 
-def _ignore_termination_signals() -> None:
-    """Initializer of the Manager process: survive the job-wide SIGTERM, but not the trainer itself.
-    Deaf to SIGTERM it would outlive a trainer killed with SIGKILL (and hold its stdout open), so it
-    exits as soon as it is orphaned."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    parent = os.getppid()
-
-    def exit_when_orphaned() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(0)
-
-    threading.Thread(target=exit_when_orphaned, name="exit-when-orphaned", daemon=True).start()
+@contextlib.contextmanager
+def results_in_this_process():
+    """For a synchronous save: megatron-core's writer runs in this process (its forked helpers report
+    to it through their own queue), so its results queue need not cross a process boundary."""
+    previous = filesystem_async._results_queue
+    filesystem_async._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = previous
 
 
 def _start_write_queue() -> None:
@@ -61,7 +60,7 @@ def _start_write_queue() -> None:
     if getattr(filesystem_async, "_results_queue", "absent") is not None:
         return  # already created, or this megatron-core has no such queue
     manager = SyncManager(ctx=mp.get_context("spawn"))
-    manager.start(initializer=_ignore_termination_signals)
+    manager.start(initializer=write_queue_server.ignore_termination_signals)
     filesystem_async._results_queue = manager.Queue()
     _MANAGERS.append(manager)  # keep it alive for the life of the process
 
@@ -71,8 +70,7 @@ _queue_starter: threading.Thread | None = None
 
 
 def prepare_for_saving() -> None:
-    """Start the writer's helper process in the background (it takes seconds: a fresh interpreter),
-    so the first save does not wait for it."""
+    """Start the Manager for async saves in the background, so the first save does not wait for it."""
     global _queue_starter
     if _queue_starter is None:
         _queue_starter = threading.Thread(target=_start_write_queue, name="ckpt-write-queue", daemon=True)

@@ -150,7 +150,7 @@ class GlobalTier(CheckpointTier):
                                     content_metadata=self.content_metadata)
             own = checksum_files(staging, writer.files_written_by_me())
         else:
-            with dcp_writer.without_torch_record_crc():
+            with dcp_writer.without_torch_record_crc(), dcp_writer.results_in_this_process():
                 dist_checkpointing.save(sharded_state, staging, sharded_strategy=self._strategy(),
                                         content_metadata=self.content_metadata)
             own = checksum_own_shards(staging, parallel.rank())
@@ -159,6 +159,7 @@ class GlobalTier(CheckpointTier):
     def save_async(self, sharded_state: dict, iteration: int) -> AsyncSaveJob:
         """Plan and stage collectively; the worker writes this rank's shards and checksums them;
         megatron-core's finalize steps (global .metadata) and our publish follow on every rank."""
+        dcp_writer.ensure_write_queue()
         staging = self._begin(iteration)
         request = dist_checkpointing.save(snapshot(sharded_state), staging, sharded_strategy=self._strategy(),
                                           async_sharded_save=True, content_metadata=self.content_metadata)
@@ -188,7 +189,6 @@ class GlobalTier(CheckpointTier):
         _barrier()
 
     def _begin(self, iteration: int) -> str:
-        dcp_writer.ensure_write_queue()
         return self._on_rank0(lambda: _make_staging(self.root, iteration),
                               f"create a staging directory in {self.root}")
 

@@ -100,9 +100,8 @@ class CheckpointManager:
     # ---- load ----------------------------------------------------------------------------------
     def load(self) -> TrainProgress:
         progress = self._load()
-        if self.save_tier is not None:
-            prepare_for_saving()  # training will start: get the writer's helper process going now
         if self.async_saves is not None:
+            prepare_for_saving()  # training will start: get the writer's helper process going now
             self.async_saves.worker.start()  # its start-up (imports) overlaps the first iterations
         return progress
 

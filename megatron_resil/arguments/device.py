@@ -1,0 +1,11 @@
+"""Whether this machine has CUDA, asked only while validating: importing the argument modules stays free
+of torch, so a process that merely re-imports pretrain.py (the checkpoint writer's spawned helper)
+starts in a fraction of a second."""
+
+from __future__ import annotations
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
