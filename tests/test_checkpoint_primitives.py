@@ -48,6 +48,43 @@ def test_tracker_bad_content(tmp_path: Path, text: str, words: tuple[str, ...]) 
         assert word in reading.problem, reading.problem
 
 
+def _binary(path: Path) -> None:
+    path.write_bytes(b"\x89\xff\x00\x12garbage")
+
+
+def _directory(path: Path) -> None:
+    path.mkdir()
+
+
+def _fifo(path: Path) -> None:
+    os.mkfifo(path)  # opening it for reading would block until a writer comes
+
+
+def _symlink(path: Path) -> None:
+    (path.parent / "elsewhere.txt").write_text("10\n")
+    path.symlink_to(path.parent / "elsewhere.txt")
+
+
+def _large(path: Path) -> None:
+    path.write_text("1" * 10_000)
+
+
+@pytest.mark.parametrize("make, words", [
+    pytest.param(_binary, ("not text",), id="binary"),
+    pytest.param(_directory, ("not a regular file", "directory"), id="directory"),
+    pytest.param(_fifo, ("not a regular file", "FIFO"), id="fifo"),
+    pytest.param(_symlink, ("not a regular file", "symlink"), id="symlink"),
+    pytest.param(_large, ("10000 bytes",), id="large"),
+])
+def test_tracker_that_is_not_a_small_text_file_is_a_problem_never_a_crash_or_a_hang(
+        tmp_path: Path, make, words: tuple[str, ...]) -> None:
+    make(tmp_path / TRACKER_NAME)
+    reading = tracker.read_tracker(str(tmp_path))
+    assert reading.iteration is None
+    for word in words:
+        assert word in reading.problem, reading.problem
+
+
 @pytest.mark.parametrize("text, iteration", [
     pytest.param("release\n", -1, id="release"),
     pytest.param("100\n", 100, id="good"),

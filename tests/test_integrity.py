@@ -108,3 +108,15 @@ def test_a_checkpoint_that_does_not_fit_the_model_stops_the_run_and_keeps_it(tra
     assert "exitcode  : 3" in result.stdout
     assert sorted(p.name for p in root.glob("iter_*")) == ["iter_0000002", "iter_0000004"]
     assert _tool("verify", root).returncode == 0
+
+
+def test_a_fifo_tracker_neither_hangs_the_tool_nor_hides_the_checkpoints(trained, tmp_path):
+    import os
+    root = tmp_path / "ckpt"
+    shutil.copytree(trained, root)
+    (root / "latest_checkpointed_iteration.txt").unlink()
+    os.mkfifo(root / "latest_checkpointed_iteration.txt")  # opening it for reading blocks without a writer
+    which = _tool("which", root)  # _tool's timeout fails the test if it hangs
+    assert which.returncode == 0, which.stdout + which.stderr
+    assert "is not a regular file (a FIFO)" in which.stdout
+    assert "would load persistent iteration 4" in which.stdout

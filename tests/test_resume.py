@@ -252,6 +252,11 @@ def _garbage_tracker(root: Path) -> str:
     return f"[resil] tracker: tracker {root / TRACKER} is unparsable"
 
 
+def _binary_tracker(root: Path) -> str:
+    (root / TRACKER).write_bytes(b"\x89\xff\x00\x12")  # crashed every start with UnicodeDecodeError
+    return f"[resil] tracker: tracker {root / TRACKER} holds bytes that are not text"
+
+
 def _tracker_names_12(root: Path) -> str:
     (root / TRACKER).write_text("12\n")
     return (f"[resil] load: rejected persistent iteration 12 ({_iter_dir(root, 12)}): "
@@ -270,6 +275,7 @@ def _truncate_newest(root: Path) -> str:
 @pytest.mark.parametrize(("damage", "expected_iteration"), [
     pytest.param(_delete_tracker, 8, id="tracker_deleted"),
     pytest.param(_garbage_tracker, 8, id="tracker_garbage"),
+    pytest.param(_binary_tracker, 8, id="tracker_binary"),
     pytest.param(_tracker_names_12, 8, id="tracker_names_missing_iteration_12"),
     pytest.param(_truncate_newest, 4, id="newest_checkpoint_truncated"),
 ])

@@ -148,7 +148,8 @@ def test_the_loader_rejects_each_planted_checkpoint_and_resumes_from_a_clean_one
     assert not marker.exists()
     for iteration, named in ((4, ".metadata asks to unpickle posix.system"),
                              (3, "common.pt asks to unpickle"), (2, ".distcp (item rng_state")):
-        line = next((x for x in out.splitlines() if f"load: rejected persistent iteration {iteration}" in x), "")
+        rejected = f"load: rejected persistent iteration {iteration}"
+        line = next((x for x in out.splitlines() if rejected in x), "")
         assert named in line, out[-4000:]
     assert "successfully loaded checkpoint from" in out and "at iteration 1" in out
     assert "Traceback" not in out
