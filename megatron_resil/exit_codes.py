@@ -7,6 +7,7 @@ SAVE_FAILED = 4  # a checkpoint could not be written (I/O error); the previous o
 SIGNAL_SAVED = 5  # --exit-signal arrived; a checkpoint was saved; requeue to continue
 SIGNAL_DEADLINE = 6  # --exit-signal arrived but the save missed --exit-signal-grace-secs; previous one intact
 UNRECOVERABLE = 8  # a fault reproduced after bounded retries and fallbacks; do not requeue (see README)
+LAUNCHER_GONE = 9  # the rank's launcher died (SIGKILL, OOM); the rank stopped without saving; requeue
 RERUN_RESUME = 16  # megatron-core's rerun state machine: resume from the checkpoint to disambiguate
 RERUN_FAILED_VALIDATION = 17  # megatron-core's rerun state machine: the result failed validation
 

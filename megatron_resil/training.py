@@ -13,7 +13,16 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_resil import core_fixes, cpu_compat, events, exit_codes, moe_metrics, parallel, rerun
+from megatron_resil import (
+    core_fixes,
+    cpu_compat,
+    events,
+    exit_codes,
+    launcher_watch,
+    moe_metrics,
+    parallel,
+    rerun,
+)
 from megatron_resil.checkpointing.global_tier import CheckpointSaveError
 from megatron_resil.checkpointing.manager import CheckpointConfig, CheckpointManager
 from megatron_resil.data import build_datasets, get_microbatch
@@ -36,12 +45,17 @@ from megatron_resil.train_log import TrainLogger
 
 
 def pretrain(args: argparse.Namespace) -> int:
+    launcher_watch.watch()  # an orphaned rank must not train on next to the restarted job
     ft = FaultTolerance.from_args(args)  # first: a hang anywhere in set-up is caught from here on
     try:
         code = _pretrain(args, ft)
     except SystemExit as stop:  # decided in set-up: nothing loadable under --load (exit 3)
         ft.job_ending(stop.code if isinstance(stop.code, int) else 1)
         raise
+    except BaseException:
+        launcher_watch.stop_if_orphaned()  # a peer that saw the launcher die first broke a collective
+        raise
+    launcher_watch.stop_if_orphaned()  # whatever ended the run, an orphan says why and exits 9
     ft.job_ending(code)  # under ft_launcher, a code that must not be retried ends the in-job restarts too
     return code
 

@@ -35,6 +35,7 @@ _REQUEUE = {
     exit_codes.SIGNAL_DEADLINE: "stopped by the exit signal; the save missed its deadline, the previous "
                                 "checkpoint is intact",
     exit_codes.SAVE_FAILED: "a save failed (I/O); the previous checkpoint is intact",
+    exit_codes.LAUNCHER_GONE: "the launcher died and its ranks stopped without saving",
     exit_codes.RERUN_RESUME: "the rerun state machine asks to resume from the checkpoint (Megatron's 16)",
 }
 

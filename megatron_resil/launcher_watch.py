@@ -1,0 +1,97 @@
+"""Workers die with their launcher.
+
+torchrun and ft_launcher start each rank in a session of its own, so a launcher killed with SIGKILL (an
+OOM kill, a node agent's cleanup, `kill -9`) leaves its ranks running as orphans: they keep training and
+keep writing the checkpoint directory, next to the restarted job. Under a launcher (torchrun and
+ft_launcher both set TORCHELASTIC_RUN_ID) a thread watches this rank's parent; once it is gone the rank
+writes its exit record and ends at once with exit code 9, never finishing a save (a staged one is
+never published; the next run removes it). A parent-death signal would be quicker, but the kernel
+ties it to the thread that started the child, not to the launcher's life.
+
+ft_launcher also forks one rank monitor per rank (NVRx's), which nothing ends when the launcher is killed;
+being forks of the launcher, they share its command line. The watch notes those siblings while the
+launcher lives and ends them with the rank.
+
+Without a launcher (plain `python pretrain.py`) the parent is a shell and nothing is watched.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+from megatron_resil import events, exit_codes
+
+POLL_SECS = 0.5
+
+
+_launcher: int | None = None
+_forks: set[int] = set()
+_stopping = threading.Lock()
+
+
+def watch() -> None:
+    global _launcher
+    if "TORCHELASTIC_RUN_ID" not in os.environ or _launcher is not None:
+        return
+    _launcher = os.getppid()
+    threading.Thread(target=_watch, name="launcher-watch", daemon=True).start()
+
+
+def stop_if_orphaned() -> None:
+    """For the main thread's error path: a rank whose peer noticed first fails in a collective before
+    its own watch does; the launcher's death is the cause to report, not that error."""
+    if _launcher is not None and os.getppid() != _launcher:
+        _stop()
+
+
+def _watch() -> None:
+    global _forks
+    polls = 0
+    while os.getppid() == _launcher:
+        if polls % 20 == 0:  # every 10 s: rank monitors are restarted with the workers
+            _forks = _forks_of(_launcher) or _forks
+        polls += 1
+        time.sleep(POLL_SECS)
+    _stop()
+
+
+def _stop() -> None:
+    _stopping.acquire()  # once per process; a second caller waits here for the exit
+    message = (f"the launcher (pid {_launcher}) is gone; this rank stops without saving, so nothing "
+               f"half-done is published and a restarted job has the directory to itself; exiting with code "
+               f"{exit_codes.LAUNCHER_GONE}")
+    events.record("exit", message=message, exit_code=exit_codes.LAUNCHER_GONE)  # first: the line may fail
+    try:  # our stdout may be a pipe the dead launcher was reading
+        events.print_rank_0(f"[resil] exit: {message}")
+    except OSError:
+        pass
+    for pid in _forks:  # orphans now too; the same command line as the dead launcher's
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    os._exit(exit_codes.LAUNCHER_GONE)
+
+
+def _forks_of(launcher: int) -> set[int]:
+    """The launcher's other children that are forks of it (same command line): ft_launcher's rank
+    monitors. Never the ranks (their command line is pretrain.py's)."""
+    try:
+        command = Path(f"/proc/{launcher}/cmdline").read_bytes()
+    except OSError:
+        return set()
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) in (os.getpid(), launcher):
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if parent == launcher and (entry / "cmdline").read_bytes() == command:
+                found.add(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found

@@ -1,0 +1,82 @@
+"""A launcher killed with SIGKILL takes its ranks with it: each rank notices within a second or so,
+writes its exit record and stops, so no orphan trains on or writes the checkpoint directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests import launch
+
+pytestmark = pytest.mark.slow
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "ft_launcher"])
+def test_ranks_stop_within_seconds_of_their_launcher_dying_and_leave_no_orphan(tmp_path, launcher):
+    save = tmp_path / "ckpt"
+    log = tmp_path / "run.log"
+    args = [*launch.TINY_MODEL, *launch.TINY_TRAINING, "--train-iters", "100000", "--save", str(save),
+            "--save-interval", "3", "--log-interval", "1"]
+    if launcher == "torchrun":
+        proc = launch.start(args, log_path=log)
+    else:
+        proc = launch.start_ft([*args, "--enable-ft-package"], log_path=log)
+    try:
+        deadline = time.monotonic() + 120
+        while "successfully saved checkpoint from iteration       3" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        children = _children(proc.pid)  # the ranks, and under ft_launcher their rank monitors
+        ranks = [pid for pid in children if b"LOCAL_RANK=" in Path(f"/proc/{pid}/environ").read_bytes()]
+        assert len(ranks) == 2, children
+        os.kill(proc.pid, signal.SIGKILL)  # the launcher alone, as an OOM killer would
+        killed_at = time.monotonic()
+        while any(_alive(pid) for pid in children):
+            alive = [pid for pid in children if _alive(pid)]
+            kinds = {pid: "rank" if pid in ranks else Path(f"/proc/{pid}/cmdline").read_bytes()[:80]
+                     for pid in alive}
+            assert time.monotonic() - killed_at < 10, f"{kinds} still running without their launcher"
+            time.sleep(0.1)
+    finally:
+        for pid in [*_children(proc.pid), proc.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait(timeout=30)
+
+    records = [json.loads(line) for line in (save / "events.jsonl").read_text().splitlines()]
+    assert records[-1]["event"] == "exit" and records[-1]["exit_code"] == 9, records[-3:]
+    assert "the launcher (pid" in records[-1]["message"]
+    # Whatever was published verifies; the tool names no leftover it could not explain.
+    verify = subprocess.run([sys.executable, "-m", "megatron_resil.tools.ckpt", "verify", str(save)],
+                            env=launch.env(), cwd=launch.REPO, capture_output=True, text=True, timeout=120)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
