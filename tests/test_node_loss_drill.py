@@ -34,7 +34,19 @@ def _drill(variant: str, tmp_path: Path) -> tuple[str, Path]:
     assert (work / "timeline.png").stat().st_size > 0
     summary = json.loads((work / "drill_summary.json").read_text())
     assert summary["passed"] and summary["recovery_s"] is not None and summary["restarts"] >= 1
+    _goodput_accounts_for_the_wall_time(work / "checkpoints", summary["restarts"] + 1)
     return node0, work
+
+
+def _goodput_accounts_for_the_wall_time(save: Path, attempts: int) -> None:
+    from megatron_resil.tools import goodput, timeline
+    events, skipped = timeline.read_events(str(save / "events.jsonl"))
+    measured = goodput.measure(events, skipped)
+    total = measured.total
+    assert len(measured.attempts) == attempts
+    assert total.restart_load_s > 0 and 0 < total.useful_s < total.wall_s
+    parts = total.useful_s + total.saving_s + total.lost_s + total.restart_load_s
+    assert abs(parts - total.wall_s) < 1e-6 * max(1.0, total.wall_s)
 
 
 def test_a_replicas_intact_resume_from_the_surviving_node(tmp_path):

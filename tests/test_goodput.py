@@ -1,0 +1,133 @@
+"""The goodput planner: its accounting on real event logs of the drill (a node loss; injected NaNs with
+restarts and a fallback), and its save-interval optimum against a brute-force simulation of failures."""
+
+from __future__ import annotations
+
+import math
+import random
+import subprocess
+import sys
+
+import pytest
+
+from megatron_resil.tools import goodput, timeline
+from tests import launch
+
+LOGS = launch.REPO / "tests" / "data" / "event_logs"
+
+
+@pytest.mark.parametrize(("log", "attempts"), [("drill_a_node_loss.jsonl", 2),
+                                               ("drill_d_injected_nan.jsonl", 4)])
+def test_accounting_splits_every_second_of_a_real_run(log, attempts):
+    events, skipped = timeline.read_events(str(LOGS / log))
+    measured = goodput.measure(events, skipped)
+    total = measured.total
+    assert len(measured.attempts) == attempts and skipped == 0
+    assert math.isclose(total.wall_s, timeline.analyse(events, 0).wall_s, rel_tol=1e-9)
+    assert math.isclose(total.useful_s + total.saving_s + total.lost_s + total.restart_load_s, total.wall_s,
+                        rel_tol=1e-9)
+    # Every restart cost something, and a restart after a node loss dominates this small run.
+    assert all(a.restart_load_s > 1.0 for a in measured.attempts[1:])
+    assert measured.iteration_s and 0.01 < measured.iteration_s < 1.0
+    assert {"local", "persistent"} <= set(measured.save_s)
+    if attempts == 4:  # the NaN run recomputed iterations after falling back
+        assert total.lost_s > 0
+
+
+def test_the_command_reports_and_draws(tmp_path):
+    png = tmp_path / "goodput.png"
+    result = subprocess.run([sys.executable, "-m", "megatron_resil.tools.goodput",
+                             str(LOGS / "drill_d_injected_nan.jsonl"), "--mtbf-hours", "5000",
+                             "--out", str(png)],
+                            capture_output=True, text=True, env=launch.env(), cwd=launch.REPO, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "goodput: " in result.stdout and "node MTBF 5000 h (given)" in result.stdout
+    for gpus in ("1024", "4096", "16384"):
+        assert any(line.split()[:1] == [gpus] for line in result.stdout.splitlines()), result.stdout
+    assert png.stat().st_size > 10_000
+    missing = subprocess.run([sys.executable, "-m", "megatron_resil.tools.goodput",
+                              str(tmp_path / "nothing")],
+                             capture_output=True, text=True, env=launch.env(), cwd=launch.REPO, timeout=120)
+    assert missing.returncode == 2 and "no event log at" in missing.stderr
+
+
+# ---- the optimum against a simulation -------------------------------------------------------------
+
+def simulate(local_every: float, global_every: float, save_local: float, save_global: float, restart: float,
+             mtbf: float, coverage: float, failures: int, seed: int) -> float:
+    """Goodput of a run with saves every `local_every` / `global_every` seconds of training, failures at
+    exponential intervals of wall time (mean `mtbf`, during work, saves or restarts alike), each recovered
+    from the newest local save with probability `coverage`, else from the newest global one, after
+    `restart` seconds. Runs until `failures` failures happened."""
+    rng = random.Random(seed)
+    wall = work = 0.0
+    last_local = last_global = 0.0
+    next_local, next_global = local_every, global_every
+    next_failure = rng.expovariate(1 / mtbf)
+    seen = 0
+    while seen < failures:
+        save_at = min(next_local, next_global)
+        step = save_at - work  # work until the next save point
+        if wall + step >= next_failure:
+            work += next_failure - wall  # lost below
+            wall = next_failure
+        else:
+            wall += step
+            work = save_at
+            is_global = next_global <= next_local
+            cost = save_global if is_global else save_local
+            if wall + cost < next_failure:
+                wall += cost
+                if is_global:
+                    last_global, next_global = work, work + global_every
+                    if next_local <= work:
+                        next_local = work + local_every
+                else:
+                    last_local, next_local = work, work + local_every
+                continue
+            wall = next_failure
+        seen += 1  # a failure: roll back, restart (a failure during the restart restarts again)
+        work = max(last_local, last_global) if rng.random() < coverage else last_global
+        wall += restart
+        next_failure = wall + rng.expovariate(1 / mtbf)
+        while next_failure < wall:
+            next_failure = wall + rng.expovariate(1 / mtbf)
+        next_local = (math.floor(work / local_every) + 1) * local_every
+        next_global = (math.floor(work / global_every) + 1) * global_every
+    return work / wall
+
+
+def test_the_two_tier_optimum_is_the_simulations_best_and_its_goodput_is_what_the_simulation_finds():
+    costs = dict(save_local=2.0, save_global=20.0, restart=60.0, mtbf=3600.0, coverage=0.9)
+    plan = goodput.optimal_plan(1, costs["mtbf"] / 3600.0, costs["save_local"], costs["save_global"],
+                                costs["restart"], costs["coverage"])
+    assert plan.local_interval_s == pytest.approx(126.5, abs=0.1)
+    assert plan.global_interval_s == pytest.approx(1200.0, abs=0.1)
+
+    def sim(local_every, global_every):  # the same failures for every schedule (common random numbers)
+        return simulate(local_every, global_every, failures=1500, seed=7, **costs)
+
+    at_optimum = sim(plan.local_interval_s, plan.global_interval_s)
+    grid = [(plan.local_interval_s * a, plan.global_interval_s * b)
+            for a in (0.35, 0.6, 1.0, 1.7, 2.8) for b in (0.35, 0.6, 1.0, 1.7, 2.8)]
+    best = max(sim(*point) for point in grid)
+    assert at_optimum >= best - 0.003, (at_optimum, best)  # within 0.3 percentage points of the best
+    assert abs(at_optimum - plan.goodput) < 0.01, (at_optimum, plan.goodput)  # the model's figure holds
+    # And a schedule far from the optimum is measurably worse, in the model and in the simulation.
+    far = sim(plan.local_interval_s * 6, plan.global_interval_s / 6)
+    assert far < at_optimum - 0.01
+
+
+def test_young_single_tier_optimum_matches_the_simulation():
+    plan = goodput.optimal_plan(4, 4.0, None, 30.0, 90.0, 0.9)  # 4 nodes of 4 h: the job fails every hour
+    assert plan.local_interval_s is None
+    assert plan.global_interval_s == pytest.approx(math.sqrt(2 * 30 * 3600), rel=1e-9)
+
+    def sim(every):
+        return simulate(1e12, every, save_local=0.0, save_global=30.0, restart=90.0, mtbf=3600.0,
+                        coverage=0.0, failures=1500, seed=11)
+
+    at_optimum = sim(plan.global_interval_s)
+    best = max(sim(plan.global_interval_s * f) for f in (0.3, 0.5, 0.7, 1.0, 1.4, 2.0, 3.3))
+    assert at_optimum >= best - 0.003
+    assert abs(at_optimum - plan.goodput) < 0.01
