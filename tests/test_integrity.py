@@ -120,3 +120,29 @@ def test_a_fifo_tracker_neither_hangs_the_tool_nor_hides_the_checkpoints(trained
     assert which.returncode == 0, which.stdout + which.stderr
     assert "is not a regular file (a FIFO)" in which.stdout
     assert "would load persistent iteration 4" in which.stdout
+
+
+def test_a_symlink_planted_in_a_checkpoint_is_rejected_by_name_and_never_written_through(trained, tmp_path):
+    root = tmp_path / "ckpt"
+    shutil.copytree(trained, root)
+    victim = tmp_path / "victim.txt"  # outside every directory the run was given
+    victim.write_text("precious\n")
+    (root / "iter_0000004" / "QUARANTINE_REASON.txt").symlink_to(victim)
+    # And in the older checkpoint, a shard swapped for a symlink to an identical copy elsewhere.
+    shard = root / "iter_0000002" / "__0_0.distcp"
+    shutil.copy(shard, tmp_path / "copy.distcp")
+    shard.unlink()
+    shard.symlink_to(tmp_path / "copy.distcp")
+
+    verify = _tool("verify", root)
+    assert verify.returncode == 1
+    assert "holds a symlink, QUARANTINE_REASON.txt" in verify.stdout
+    assert "holds a symlink, __0_0.distcp" in verify.stdout
+
+    result = launch.run(_train_args(root, 3))  # nothing verifies: refuses to start from scratch (3)
+    assert "[resil] load: rejected persistent iteration 4" in result.stdout
+    assert "holds a symlink, QUARANTINE_REASON.txt" in result.stdout
+    assert victim.read_text() == "precious\n"  # the quarantine wrote its reason beside, not through
+    quarantined = next(root.glob("iter_0000004.quarantined.*"))
+    reason = quarantined / "QUARANTINE_REASON.txt"
+    assert not reason.is_symlink() and "symlink" in reason.read_text()

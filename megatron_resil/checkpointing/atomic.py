@@ -37,15 +37,41 @@ def fsync_tree(root: str) -> None:
         fsync_dir(dirpath)
 
 
+def open_new(path: str, mode: str = "w"):
+    """Create `path` for writing, never through a symlink: O_EXCL fails on any existing name, a
+    symlink planted there included, instead of writing wherever it points."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), mode)
+
+
+def replace_file_text(path: str, text: str) -> None:
+    """Write a small file afresh: whatever is at `path` (a symlink someone planted, say) is unlinked,
+    never followed."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    with open_new(path) as f:
+        f.write(text)
+
+
+def find_symlink(directory: str) -> str | None:
+    """The first symlink under `directory` (relative name), without following any."""
+    for root, dirs, files in os.walk(directory, followlinks=False):
+        for name in sorted(dirs + files):
+            if os.path.islink(os.path.join(root, name)):
+                return os.path.relpath(os.path.join(root, name), directory)
+    return None
+
+
 def atomic_write_text(path: str, text: str) -> None:
     """Replace `path` so a reader sees the old content or the new, never a mix or an empty file."""
     directory = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp.{uuid.uuid4().hex[:8]}")
-    with open(tmp, "w") as f:
+    with open_new(tmp) as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+    os.replace(tmp, path)  # replaces a symlink at `path` itself, never its target
     fsync_dir(directory)
 
 

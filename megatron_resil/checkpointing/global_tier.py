@@ -24,7 +24,13 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
 
 from megatron_resil import events, parallel
 from megatron_resil.checkpointing import dcp_writer, layout, safe_load, zarr_strategy
-from megatron_resil.checkpointing.atomic import fsync_dir, fsync_tree, publish_directory
+from megatron_resil.checkpointing.atomic import (
+    find_symlink,
+    fsync_dir,
+    fsync_tree,
+    publish_directory,
+    replace_file_text,
+)
 from megatron_resil.checkpointing.manifest import (
     checksum_files,
     has_manifest,
@@ -93,6 +99,8 @@ class GlobalTier(CheckpointTier):
             return "directory missing"
         # What marks a checkpoint complete when it has no manifest: DCP's .metadata, written last
         # (torch_dist), or megatron-core's metadata.json, written after the strategy returned (zarr).
+        if (link := find_symlink(path)) is not None:  # sizes and checksums would be of its target
+            return f"holds a symlink, {link}; a checkpoint is plain files"
         backend = _sharded_backend(path) or "torch_dist"
         marker = ".metadata" if backend == "torch_dist" else "metadata.json"
         if not os.path.isfile(os.path.join(path, marker)):
@@ -117,8 +125,7 @@ class GlobalTier(CheckpointTier):
                 os.path.basename(candidate.path) != layout.RELEASE_DIR:
             target = layout.new_quarantine_dir(self.root, candidate.iteration, _slug(reason))
             os.rename(candidate.path, target)
-            with open(os.path.join(target, "QUARANTINE_REASON.txt"), "w") as f:
-                f.write(reason + "\n")
+            replace_file_text(os.path.join(target, "QUARANTINE_REASON.txt"), reason + "\n")
             fsync_dir(self.root)
             events.decision("quarantine", f"renamed {candidate.path} to {target}: {reason}; "
                             "kept for inspection, never loaded again", tier=self.name,

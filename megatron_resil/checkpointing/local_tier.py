@@ -30,7 +30,7 @@ from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager impor
 )
 
 from megatron_resil import events, parallel
-from megatron_resil.checkpointing.atomic import atomic_write_text
+from megatron_resil.checkpointing.atomic import atomic_write_text, replace_file_text
 from megatron_resil.checkpointing.global_tier import CheckpointSaveError
 from megatron_resil.checkpointing.replication import build_clique_strategy, comm_device
 from megatron_resil.checkpointing.sealed_shard import SealedShard, crc32_of, read_payload
@@ -280,8 +280,7 @@ class LocalTier(CheckpointTier):
             for part in (path, Path(str(path) + MANIFEST_SUFFIX)):
                 if part.exists():
                     os.replace(part, target / part.name)
-            with open(target / (path.name + ".REASON.txt"), "w") as f:
-                f.write(reason + "\n")
+            replace_file_text(str(target / (path.name + ".REASON.txt")), reason + "\n")
 
     # ---- save side -------------------------------------------------------------------------
     def _seal(self, sharded_state: dict, iteration: int) -> SealedShard:

@@ -125,6 +125,8 @@ def verify_manifest(directory: str, iteration: int | None, *, share: tuple[int, 
             size, algorithm, crc = _size_and_crc(entry)
         except (KeyError, TypeError, ValueError):
             return f"manifest entry for {rel} unparsable"
+        if os.path.islink(full):  # its size and checksum would be the target's, wherever that is
+            return f"file {rel} is a symlink; a checkpoint is plain files"
         if not os.path.isfile(full):
             return f"file {rel} missing"
         actual = os.path.getsize(full)
