@@ -13,10 +13,16 @@ being forks of the launcher, they share its command line. The watch notes those 
 launcher lives and ends them with the rank.
 
 Without a launcher (plain `python pretrain.py`) the parent is a shell and nothing is watched.
+
+Whatever ends a rank, the processes it forks die with it: megatron-core's checkpoint writer forks helpers
+for each save, and one orphaned mid-save waits forever on a lock its dead parent held. Each fork gets
+the kernel's parent-death signal (the forking thread is the rank's main thread, which lives as long as
+the rank does).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import threading
@@ -26,6 +32,7 @@ from pathlib import Path
 from megatron_resil import events, exit_codes
 
 POLL_SECS = 0.5
+_PR_SET_PDEATHSIG = 1
 
 
 _launcher: int | None = None
@@ -35,6 +42,7 @@ _stopping = threading.Lock()
 
 def watch() -> None:
     global _launcher
+    forks_die_with_this_process()
     if "TORCHELASTIC_RUN_ID" not in os.environ or _launcher is not None:
         return
     _launcher = os.getppid()
@@ -69,12 +77,35 @@ def _stop() -> None:
         events.print_rank_0(f"[resil] exit: {message}")
     except OSError:
         pass
-    for pid in _forks:  # orphans now too; the same command line as the dead launcher's
+    for pid in _forks | _children_of(os.getpid()):  # the launcher's rank monitors, our writers
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
     os._exit(exit_codes.LAUNCHER_GONE)
+
+
+_forking_pid: int | None = None
+
+
+def forks_die_with_this_process() -> None:
+    if _forking_pid is None:
+        os.register_at_fork(before=_note_forking_pid, after_in_child=_die_with_parent)
+        _note_forking_pid()
+
+
+def _note_forking_pid() -> None:
+    global _forking_pid
+    _forking_pid = os.getpid()
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != _forking_pid:  # the parent died before the signal was armed
+        os._exit(1)
 
 
 def _forks_of(launcher: int) -> set[int]:
@@ -85,12 +116,22 @@ def _forks_of(launcher: int) -> set[int]:
     except OSError:
         return set()
     found = set()
+    for pid in _children_of(launcher) - {os.getpid()}:
+        try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes() == command:
+                found.add(pid)
+        except OSError:
+            continue
+    return found
+
+
+def _children_of(parent: int) -> set[int]:
+    found = set()
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) in (os.getpid(), launcher):
+        if not entry.name.isdigit():
             continue
         try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if parent == launcher and (entry / "cmdline").read_bytes() == command:
+            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
                 found.add(int(entry.name))
         except (OSError, ValueError, IndexError):
             continue

@@ -31,6 +31,17 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and text.encode() in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -64,6 +75,10 @@ def test_ranks_stop_within_seconds_of_their_launcher_dying_and_leave_no_orphan(t
             kinds = {pid: "rank" if pid in ranks else Path(f"/proc/{pid}/cmdline").read_bytes()[:80]
                      for pid in alive}
             assert time.monotonic() - killed_at < 10, f"{kinds} still running without their launcher"
+            time.sleep(0.1)
+        # Nor anything else of this run: megatron-core's forked writers, caught mid-save, included.
+        while leftovers := [pid for pid in _processes_mentioning(str(save)) if _alive(pid)]:
+            assert time.monotonic() - killed_at < 10, f"{leftovers} outlived their rank"
             time.sleep(0.1)
     finally:
         for pid in [*_children(proc.pid), proc.pid]:

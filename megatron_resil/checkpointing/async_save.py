@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch.multiprocessing as mp
 
-from megatron_resil import cpu_compat, events, parallel
+from megatron_resil import cpu_compat, events, launcher_watch, parallel
 from megatron_resil.checkpointing.global_tier import CheckpointSaveError
 from megatron_resil.checkpointing.tier import AsyncSaveJob, CheckpointTier
 
@@ -39,6 +39,7 @@ def _worker_loop(trainer_pid: int, requests, results) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     cpu_compat.apply_if_needed()  # megatron-core's writer synchronises CUDA
+    launcher_watch.forks_die_with_this_process()  # the writer's forked helpers, when we are killed
     # The tiers' modules (megatron-core, NVRx) are imported before "ready", not inside a save.
     import megatron_resil.checkpointing.global_tier  # noqa: F401
     import megatron_resil.checkpointing.local_tier  # noqa: F401
