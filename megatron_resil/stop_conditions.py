@@ -11,8 +11,7 @@ import argparse
 import time
 from dataclasses import dataclass
 
-from megatron_resil import exit_codes, parallel
-from megatron_resil.signal_handler import ExitSignalHandler
+from megatron_resil import exit_codes, parallel, signal_handler
 
 # The time budget counts from process start, as Megatron's does: an in-process restart does not get a
 # fresh budget (the allocation's end does not move).
@@ -34,10 +33,14 @@ class StopConditions:
         self.exit_interval = args.exit_interval
         self.deadline = (_PROCESS_START + 60.0 * args.exit_duration_in_mins
                          if args.exit_duration_in_mins else None)
-        self.signals = None
-        if args.exit_signal_handler:
-            self.signals = ExitSignalHandler(args.exit_signal, args.exit_signal_grace_secs)
-            self.signals.install()
+        self.signals = signal_handler.install_from_args(args)  # pretrain() installed it already
+
+    def signalled(self, iteration: int) -> Stop | None:
+        """Before the first iteration: a signal that arrived during set-up or the load."""
+        if self.signals is not None and parallel.any_rank(self.signals.received):
+            return Stop(f"{self.signals.signal_name} received (on at least one rank) during set-up, before "
+                        f"iteration {iteration + 1}", exit_codes.SIGNAL_SAVED, requeue=True)
+        return None
 
     def check(self, iteration: int) -> Stop | None:
         if self.signals is not None and parallel.any_rank(self.signals.received):

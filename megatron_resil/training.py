@@ -22,6 +22,7 @@ from megatron_resil import (
     moe_metrics,
     parallel,
     rerun,
+    signal_handler,
 )
 from megatron_resil.checkpointing.global_tier import CheckpointSaveError
 from megatron_resil.checkpointing.manager import CheckpointConfig, CheckpointManager
@@ -46,6 +47,7 @@ from megatron_resil.train_log import TrainLogger
 
 def pretrain(args: argparse.Namespace) -> int:
     launcher_watch.watch()  # an orphaned rank must not train on next to the restarted job
+    signal_handler.install_from_args(args)  # first: a preemption during set-up or the load counts too
     ft = FaultTolerance.from_args(args)  # first: a hang anywhere in set-up is caught from here on
     try:
         code = _pretrain(args, ft)
@@ -100,7 +102,10 @@ def train(args, model, optimizer, scheduler, checkpoints, progress: TrainProgres
     escape = RerunEscape.from_args(args)  # bounds the rerun state machine's same-device retries
     stragglers = StragglerDetection.from_args(args, model)  # times each rank's own forward and backward
     events.print_rank_0(f"training from iteration {progress.iteration} to {args.train_iters}")
-    while progress.iteration < args.train_iters:
+    if (stop := stops.signalled(progress.iteration)) is not None:
+        events.decision("exit", f"{stop.reason}; saving and exiting with code {stop.exit_code}",
+                        iteration=progress.iteration, exit_code=stop.exit_code, requeue=stop.requeue)
+    while stop is None and progress.iteration < args.train_iters:
         with ft.step():  # an injected hang or slowness counts as part of the iteration
             stragglers.iteration_started()  # this rank's own work starts here, injected slowness included
             faults.before_iteration(progress.iteration + 1)

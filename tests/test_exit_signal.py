@@ -123,3 +123,49 @@ def test_exit_duration_saves_and_exits_cleanly(tmp_path):
         in result.stdout
     assert read_tracker(str(root)).iteration == 1
     _assert_only_complete_checkpoints(root)
+
+
+def _rank_pids(launcher_pid: int) -> list[int]:
+    from pathlib import Path
+    ranks = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and \
+                    int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == launcher_pid and \
+                    b"LOCAL_RANK=" in (entry / "environ").read_bytes():
+                ranks.append(int(entry.name))
+        except OSError:
+            continue
+    return ranks
+
+
+def _handles_sigterm(pid: int) -> bool:
+    """SigCgt in /proc: the handler is installed (bit 14 is SIGTERM)."""
+    from pathlib import Path
+    try:
+        caught = Path(f"/proc/{pid}/status").read_text().split("SigCgt:")[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return bool(int(caught, 16) & (1 << (signal.SIGTERM - 1)))
+
+
+def test_sigterm_during_set_up_is_honoured_with_exit_5_and_an_exit_record(tmp_path):
+    save = tmp_path / "ckpt"
+    log = tmp_path / "run.log"
+    proc = launch.start(_args(save), log_path=log)
+    try:
+        _wait_for(lambda: len(_rank_pids(proc.pid)) == 2, what="the ranks")
+        ranks = _rank_pids(proc.pid)
+        _wait_for(lambda: all(_handles_sigterm(pid) for pid in ranks), what="the handlers")
+        for pid in ranks:  # as Slurm signals every process of the step
+            os.kill(pid, signal.SIGTERM)
+        proc.wait(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = log.read_text()
+    assert "received (on at least one rank) during set-up, before iteration 1" in out, out[-3000:]
+    records = [json.loads(line) for line in (save / "events.jsonl").read_text().splitlines()]
+    exits = [r for r in records if r["event"] == "exit"]
+    assert len(exits) == 1 and exits[0]["exit_code"] == 5 and exits[0]["iteration"] == 0, exits
+    assert launch.losses(out) == {}  # no step was taken
