@@ -6,6 +6,7 @@ that outlives the job's console log across restarts and requeues.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -16,10 +17,35 @@ EVENT_LOG_NAME = "events.jsonl"
 _event_log_path: str | None = None
 
 
+RESERVE_NAME = ".events.reserve"
+_RESERVE_BYTES = 65536
+
+
 def configure(save_dir: str | None) -> None:
-    """Where the JSON event log goes: beside the checkpoints, or nowhere without --save."""
+    """Where the JSON event log goes: beside the checkpoints, or nowhere without --save. Rank 0 also
+    keeps a small reserve file there: on a full disk it is given up so the records that say what
+    happened (the exit record above all) can still be written."""
     global _event_log_path
     _event_log_path = os.path.join(save_dir, EVENT_LOG_NAME) if save_dir else None
+    if _event_log_path is not None and _is_rank0():
+        _keep_reserve()
+
+
+def _reserve_path() -> str:
+    return os.path.join(os.path.dirname(_event_log_path), RESERVE_NAME)
+
+
+def _keep_reserve() -> None:
+    try:
+        os.makedirs(os.path.dirname(_event_log_path), exist_ok=True)
+        fd = os.open(_reserve_path(), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        try:
+            if os.fstat(fd).st_size < _RESERVE_BYTES:
+                os.write(fd, b"\0" * _RESERVE_BYTES)  # written, not sparse: the blocks are really held
+        finally:
+            os.close(fd)
+    except OSError:
+        pass  # no room for it: the run goes on without the reserve
 
 
 def _is_rank0() -> bool:
@@ -48,14 +74,36 @@ def record(event: str, **fields) -> None:
         return
     entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "unix": round(time.time(), 3),
              "event": event, "host": socket.gethostname(), "pid": os.getpid(), **fields}
+    line = (json.dumps(entry, sort_keys=True) + "\n").encode()
     try:
-        os.makedirs(os.path.dirname(_event_log_path), exist_ok=True)
-        # One write of one line in append mode: concurrent or interrupted writers never interleave
-        # within a line, and a torn last line is simply skipped by readers.
-        with open(_event_log_path, "a") as f:
-            f.write(json.dumps(entry, sort_keys=True) + "\n")
+        try:
+            _append(line)
+        except OSError as err:
+            if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            os.unlink(_reserve_path())  # the disk is full: spend the reserve on the record
+            _append(line)
     except OSError as err:  # the event log must never be the reason a run fails
         warn(f"could not append to {_event_log_path}: {err}")
+
+
+def _append(line: bytes) -> None:
+    """One write of one whole line in append mode: writers never interleave within a line, and a line a
+    full disk cut short is taken back."""
+    os.makedirs(os.path.dirname(_event_log_path), exist_ok=True)
+    fd = os.open(_event_log_path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":  # a line torn by an older writer: end it,
+            line = b"\n" + line                           # or it would swallow this record
+        try:
+            if os.write(fd, line) != len(line):
+                raise OSError(errno.ENOSPC, "short write")
+        except OSError:
+            os.ftruncate(fd, size)  # a full disk took part of the line: take it back, whole or none
+            raise
+    finally:
+        os.close(fd)
 
 
 def warn(message: str) -> None:

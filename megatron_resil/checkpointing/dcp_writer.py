@@ -18,6 +18,8 @@ import threading
 from multiprocessing.managers import SyncManager
 
 import torch
+from megatron.core.dist_checkpointing import serialization
+from megatron.core.dist_checkpointing.strategies import common as common_strategies
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from megatron_resil.checkpointing import write_queue_server
@@ -85,3 +87,49 @@ def ensure_write_queue() -> None:
     prepare_for_saving()
     _queue_starter.join()
     _start_write_queue()  # no-op if the background start succeeded; raises here if it failed
+
+
+# ---- rank 0's own writes inside a collective save ------------------------------------------------
+
+_late_failures: list[BaseException] | None = None
+
+
+@contextlib.contextmanager
+def rank0_writes_fail_late():
+    """Inside a synchronous save, rank 0 alone writes `common.pt` (before the collective shard write),
+    DCP's `.metadata` (between the shard-write gather and the broadcast of its outcome) and
+    `metadata.json` (before a barrier). An error raised there
+    (a full disk) would leave every other rank waiting in that collective. Within this context such an
+    error is held, the collectives complete, and it is raised on leaving; the caller agrees on it with
+    the other ranks."""
+    global _late_failures
+    _late_failures = []
+    try:
+        yield
+        if _late_failures:
+            raise _late_failures[0]
+    finally:
+        _late_failures = None
+
+
+def _failing_late(write):
+    def call(*args, **kwargs):
+        if _late_failures is None:
+            return write(*args, **kwargs)
+        try:
+            return write(*args, **kwargs)
+        except (OSError, RuntimeError) as err:
+            _late_failures.append(err)
+            return None
+    call.__wrapped__ = write
+    return call
+
+
+_common = common_strategies.TorchCommonSaveStrategy
+if not hasattr(_common.save_common, "__wrapped__"):
+    _common.save_common = _failing_late(_common.save_common)
+_writer = filesystem_async.FileSystemWriterAsync
+if not hasattr(_writer.finish, "__wrapped__"):
+    _writer.finish = _failing_late(_writer.finish)
+if not hasattr(serialization.save_config, "__wrapped__"):
+    serialization.save_config = _failing_late(serialization.save_config)

@@ -21,6 +21,7 @@ from megatron.core.dist_checkpointing.serialization import get_default_save_shar
 from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelSaveStrategyWrapper,
 )
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_resil import events, parallel
 from megatron_resil.checkpointing import dcp_writer, layout, safe_load, zarr_strategy
@@ -150,18 +151,34 @@ class GlobalTier(CheckpointTier):
 
     # ---- save side -------------------------------------------------------------------------
     def save(self, sharded_state: dict, iteration: int) -> str:
+        """Collective. Any failure on any rank (a full disk, an I/O error, DCP's CheckpointException)
+        is agreed on in one collective after megatron-core's own, so every rank raises
+        CheckpointSaveError together, the staging directory removed and the previous checkpoint intact."""
         staging = self._begin(iteration)
-        if self.ckpt_format == "zarr":
-            writer = zarr_strategy.ZarrSaveShardedStrategy()
-            dist_checkpointing.save(sharded_state, staging, sharded_strategy=self._parallel(writer),
-                                    content_metadata=self.content_metadata)
-            own = checksum_files(staging, writer.files_written_by_me())
-        else:
-            with dcp_writer.without_torch_record_crc(), dcp_writer.results_in_this_process():
-                dist_checkpointing.save(sharded_state, staging, sharded_strategy=self._strategy(),
+        own, failure = {}, None
+        try:
+            if self.ckpt_format == "zarr":
+                writer = zarr_strategy.ZarrSaveShardedStrategy()
+                dist_checkpointing.save(sharded_state, staging, sharded_strategy=self._parallel(writer),
                                         content_metadata=self.content_metadata)
-            own = checksum_own_shards(staging, parallel.rank())
-        return self.finish(staging, iteration, gather_checksums(own))
+                own = checksum_files(staging, writer.files_written_by_me())
+            else:
+                with dcp_writer.without_torch_record_crc(), dcp_writer.results_in_this_process(), \
+                        dcp_writer.rank0_writes_fail_late():
+                    dist_checkpointing.save(sharded_state, staging, sharded_strategy=self._strategy(),
+                                            content_metadata=self.content_metadata)
+                own = checksum_own_shards(staging, parallel.rank())
+        except (Exception, CheckpointException) as err:  # DCP's is a BaseException
+            failure = _one_line(err)
+        outcomes = parallel.all_gather_object((own, failure))  # also: every rank's shards are written
+        failed = [(rank, why) for rank, (_, why) in enumerate(outcomes) if why is not None]
+        if failed:
+            self.abandon(staging)
+            rank, why = failed[0]
+            more = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
+            raise CheckpointSaveError(f"could not write iteration {iteration} to {self.root}: rank {rank}: "
+                                      f"{why}{more}")
+        return self.finish(staging, iteration, _merged([checksums for checksums, _ in outcomes]))
 
     def save_async(self, sharded_state: dict, iteration: int) -> AsyncSaveJob:
         """Plan and stage collectively; the worker writes this rank's shards and checksums them;
@@ -291,6 +308,18 @@ def write_own_shards(rank: int, staging: str, write_fn, preload_fn, write_args) 
         for child in mp.active_children():  # megatron-core's forked writers: never checksum a
             child.join()                      # file one of them may still be finishing
     return checksum_own_shards(staging, rank)
+
+
+def _one_line(err: BaseException) -> str:
+    if isinstance(err, CheckpointException) and err.failures:  # DCP wraps each rank's real error
+        err = next(iter(err.failures.values()))
+        if isinstance(err, tuple):
+            err = err[0]
+    cause = err
+    while cause.__cause__ is not None and not str(cause):
+        cause = cause.__cause__
+    first_line = (str(cause).splitlines() or [""])[0][:300]
+    return f"{type(cause).__name__}: {first_line}"
 
 
 def gather_checksums(local: dict) -> dict:

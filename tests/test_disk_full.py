@@ -1,0 +1,90 @@
+"""A full disk during a save ends the job cleanly: one [resil] line with the cause and exit 4 on every
+rank, an exit record, the staging directory removed, the previous checkpoint and the tracker intact, and
+no torn line left in the event log. The disk is a real tmpfs mounted for the test, filled for real
+(bytes, or inodes)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests import launch
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m,nr_inodes=400", "tmpfs", str(disk)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def _args(save, iters: int) -> list[str]:
+    return [*launch.TINY_MODEL, *launch.TINY_TRAINING, "--use-distributed-optimizer", "--train-iters",
+            str(iters), "--save", str(save), "--load", str(save), "--save-interval", "2"]
+
+
+def _fill_bytes(disk) -> None:
+    with open(disk / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError as err:
+            assert err.errno == errno.ENOSPC
+    stat = os.statvfs(disk)
+    assert stat.f_bavail * stat.f_frsize < 65536
+
+
+def _fill_inodes(disk) -> None:
+    (disk / "inodes").mkdir()
+    n = 0
+    try:
+        while True:
+            (disk / "inodes" / str(n)).touch()
+            n += 1
+    except OSError as err:
+        assert err.errno == errno.ENOSPC
+    for k in range(3):  # room for the staging directory and a file or two, not for a checkpoint
+        (disk / "inodes" / str(n - 1 - k)).unlink()
+
+
+@pytest.mark.parametrize("fill", [_fill_bytes, _fill_inodes], ids=["bytes", "inodes"])
+def test_a_full_disk_during_a_save_exits_4_everywhere_and_keeps_the_previous_checkpoint(small_disk, fill):
+    save = small_disk / "ckpt"
+    first = launch.run(_args(save, 4))
+    assert first.returncode == 0, first.stdout[-3000:]
+    fill(small_disk)
+
+    result = launch.run(_args(save, 6))
+    out = result.stdout
+    assert result.returncode != 0
+    codes = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", out)]
+    assert codes and set(codes) == {4}, out[-3000:]  # every failed rank the launcher reports: 4
+    exits = [line for line in out.splitlines() if line.startswith("[resil] exit:")]
+    assert len(exits) == 1 and "No space left on device" in exits[0] and "exiting with code 4" in exits[0], \
+        out[-3000:]
+    no_rank_traceback = f'File "{launch.REPO}/megatron_resil' not in out and \
+        "site-packages/megatron/" not in out
+    assert no_rank_traceback
+    assert not [p for p in os.listdir(save) if p.startswith(".tmp_iter")]  # the staging directory went
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    records = [json.loads(line) for line in (save / "events.jsonl").read_text().splitlines()]  # none torn
+    assert records[-1]["event"] == "exit" and records[-1]["exit_code"] == 4, records[-1]
+
+    os.remove(small_disk / "filler") if (small_disk / "filler").exists() else None
+    verify = subprocess.run([sys.executable, "-m", "megatron_resil.tools.ckpt", "verify", str(save)],
+                            env=launch.env(), cwd=launch.REPO, capture_output=True, text=True, timeout=120)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
