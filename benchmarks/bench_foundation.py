@@ -503,6 +503,7 @@ def step_benchmark(cfg: dict, threads: int) -> dict:
     import torch
     import torch.distributed as dist
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
 
     from megatron_resil import core_fixes, cpu_compat, parallel, rerun
     from megatron_resil.arguments import parse_args
@@ -537,13 +538,16 @@ def step_benchmark(cfg: dict, threads: int) -> dict:
         output = chunk(tokens, position_ids, None, labels=labels)
         return output, lambda out: (out.float().mean(), {"lm loss": out.detach().float().mean()})
 
-    def bare() -> None:
-        for chunk in model:
-            chunk.zero_grad_buffer()
-        optimizer.zero_grad()
-        schedule(forward_step_func=bare_forward, data_iterator=iter(range(args.num_microbatches)),
-                 model=model, num_microbatches=args.num_microbatches, seq_length=args.seq_length,
-                 micro_batch_size=args.micro_batch_size, forward_only=False)
+    machine = get_rerun_state_machine()
+
+    def bare() -> None:  # Megatron-LM's train_step: its rerun loop around the schedule (DDP's NaN
+        while machine.should_run_forward_backward(None):  # check reports to the rerun state machine)
+            for chunk in model:
+                chunk.zero_grad_buffer()
+            optimizer.zero_grad()
+            schedule(forward_step_func=bare_forward, data_iterator=iter(range(args.num_microbatches)),
+                     model=model, num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+                     micro_batch_size=args.micro_batch_size, forward_only=False)
         updated, _, _ = optimizer.step()
         if updated:
             scheduler.step(increment=args.global_batch_size)
