@@ -79,6 +79,7 @@ BAD = {c.id: c for c in [
          names=("--global-batch-size 6", "--micro-batch-size 2")),
     Case("load-is-a-file", set_={"--load": "{file}"}, names=("--load", FILE_NAME)),
     Case("save-is-a-file", set_={"--save": "{file}"}, names=("--save", FILE_NAME)),
+    Case("save-under-proc", set_={"--save": "/proc/x/ckpt"}, names=("--save", "/proc", "pseudo file system")),
     Case("seq-length-exceeds-max-position-embeddings", set_={"--seq-length": "64"},
          names=("--seq-length 64", "--max-position-embeddings 32")),
     Case("bf16-with-fp16", extra=("--bf16", "--fp16"), names=("--bf16", "--fp16")),

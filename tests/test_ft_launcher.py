@@ -60,6 +60,7 @@ def reference(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     return result, save
 
 
+@pytest.mark.slow
 def test_fast_run_with_unconfigured_section_completes_and_keeps_floored_timeouts(reference) -> None:
     result, save = reference
     out = result.stdout
@@ -88,6 +89,7 @@ def test_fast_run_with_unconfigured_section_completes_and_keeps_floored_timeouts
     assert not [p.name for p in save.iterdir() if ".tmp" in p.name]  # written atomically
 
 
+@pytest.mark.slow
 def test_slower_next_run_survives_low_persisted_timeouts_and_short_heartbeat_timeouts(reference, tmp_path):
     """ft_state.json as someone else may have left it: 7 ms calculated timeouts (what killed the next run
     in our reference). Loaded, they are floored; iterations of 1.5 s (far above the fast run's calculated
@@ -172,6 +174,7 @@ def _kill_tree(pid: int) -> None:
             pass
 
 
+@pytest.mark.slow
 def test_rank_stopped_with_sigstop_is_killed_and_restarted_workers_resume_exactly(reference, tmp_path):
     reference_losses = launch.losses(reference[0].stdout)
     save, log = tmp_path / "ckpt", tmp_path / "ft_launcher.log"

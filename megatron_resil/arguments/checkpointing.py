@@ -95,6 +95,12 @@ def _check_writable(flag: str, path: str | None) -> None:
         raise ArgumentError(f"{flag} {path}: {probe} is a file, so the directory cannot be created")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise ArgumentError(f"{flag} {path}: {probe} is not writable; choose a directory you can write")
+    fs = os.statvfs(probe)
+    if fs.f_flag & os.ST_RDONLY:
+        raise ArgumentError(f"{flag} {path}: {probe} is on a read-only file system; choose a writable one")
+    if fs.f_blocks == 0 and fs.f_files == 0:  # /proc, /sys: root may "write" there, nothing is stored
+        raise ArgumentError(f"{flag} {path}: {probe} is on a pseudo file system (like /proc) that stores "
+                            "no files; choose a directory on a disk")
 
 
 def validate(args: argparse.Namespace, world_size: int) -> None:
