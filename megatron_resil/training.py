@@ -24,6 +24,7 @@ from megatron_resil import (
     rerun,
     signal_handler,
 )
+from megatron_resil.checkpointing import dir_lock
 from megatron_resil.checkpointing.global_tier import CheckpointSaveError
 from megatron_resil.checkpointing.manager import CheckpointConfig, CheckpointManager
 from megatron_resil.data import build_datasets, get_microbatch
@@ -66,8 +67,10 @@ def _pretrain(args: argparse.Namespace, ft: FaultTolerance) -> int:
     cpu_compat.apply_if_needed()
     core_fixes.apply()
     parallel.initialize(args)
+    dir_lock.lock_run_directories(args)  # before anything is written: another job may own the directory
     events.configure(args.save)
     events.record("start", world_size=args.world_size, train_iters=args.train_iters, load=args.load)
+    dir_lock.record_takeovers()
     report_restart()
     ft.log_setup()
     tokenizer = build_tokenizer(args)
