@@ -189,7 +189,10 @@ def lock_run_directories(args) -> None:
             int(os.environ.get("LOCAL_RANK", "0")) == 0:
         directories.append(args.non_persistent_local_ckpt_dir)
     refused, takeovers = None, []
+    held = {os.path.realpath(lock.directory) for lock in _held if lock.fd is not None}
     for directory in directories:
+        if os.path.realpath(directory) in held:
+            continue  # an in-process restart: this process holds it already
         lock = DirectoryLock(directory)
         try:
             reason = lock.acquire()
