@@ -106,6 +106,32 @@ def _append(line: bytes) -> None:
         os.close(fd)
 
 
+def last_exit_of_run(run_id: str) -> dict | None:
+    """The last `exit` record of the attempts whose `start` record names this torchrun run id (None if
+    there is none, or the log is unreadable). Read by rank 0 at start."""
+    if _event_log_path is None:
+        return None
+    current, last = None, None
+    try:
+        with open(_event_log_path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if not isinstance(record, dict):
+                    continue
+                if record.get("event") == "start":
+                    current = record.get("run_id")
+                elif record.get("event") == "exit" and current == run_id:
+                    last = record
+                elif record.get("event") == "finished" and current == run_id:
+                    last = None
+    except OSError:
+        return None
+    return last
+
+
 def warn(message: str) -> None:
     if _is_rank0():
         print(f"WARNING: {message}", file=sys.stderr, flush=True)

@@ -6,6 +6,7 @@ its DDP reduces the gradients, its optimizer updates."""
 from __future__ import annotations
 
 import argparse
+import os
 from functools import partial
 
 import torch
@@ -69,8 +70,11 @@ def _pretrain(args: argparse.Namespace, ft: FaultTolerance) -> int:
     parallel.initialize(args)
     dir_lock.lock_run_directories(args)  # before anything is written: another job may own the directory
     events.configure(args.save)
-    events.record("start", world_size=args.world_size, train_iters=args.train_iters, load=args.load)
+    events.record("start", world_size=args.world_size, train_iters=args.train_iters, load=args.load,
+                  run_id=os.environ.get("TORCHELASTIC_RUN_ID"))
     dir_lock.record_takeovers()
+    if (code := _earlier_attempt_said_stop(args)) is not None:
+        return code
     report_restart()
     ft.log_setup()
     tokenizer = build_tokenizer(args)
@@ -89,6 +93,24 @@ def _pretrain(args: argparse.Namespace, ft: FaultTolerance) -> int:
                         f"exiting with code {exit_codes.SAVE_FAILED}", exit_code=exit_codes.SAVE_FAILED)
         code = exit_codes.SAVE_FAILED
     parallel.shutdown()
+    return code
+
+
+def _earlier_attempt_said_stop(args: argparse.Namespace) -> int | None:
+    """Under ft_launcher, ranks that exit with a do-not-retry code (8, 3, 17) ask it to close the
+    rendezvous, but NVRx 0.4.1 sometimes joins the next round anyway. An attempt of the same launcher run
+    (same torchrun run id) whose predecessor ended that way stops at once with the same code."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    found = None
+    if run_id and parallel.is_rank0():
+        found = events.last_exit_of_run(run_id)
+    found = parallel.broadcast_object(found)
+    if found is None or found.get("exit_code") not in exit_codes.DO_NOT_RETRY:
+        return None
+    code = found["exit_code"]
+    events.decision("exit", f"an earlier attempt of this launcher run ended with exit code {code} "
+                    f"({found.get('message', 'no message')}); a restart cannot change that, so this one "
+                    f"stops before training; exiting with code {code}", exit_code=code)
     return code
 
 

@@ -146,3 +146,29 @@ def test_a_symlink_planted_in_a_checkpoint_is_rejected_by_name_and_never_written
     quarantined = next(root.glob("iter_0000004.quarantined.*"))
     reason = quarantined / "QUARANTINE_REASON.txt"
     assert not reason.is_symlink() and "symlink" in reason.read_text()
+
+
+def test_a_read_only_load_skips_a_bad_checkpoint_in_memory_and_loads_the_older_one(trained, tmp_path):
+    import subprocess as sp
+    source = tmp_path / "source"
+    shutil.copytree(trained, source)
+    _flip_byte(source / "iter_0000004" / "__1_0.distcp")
+    mounted = tmp_path / "readonly"
+    mounted.mkdir()
+    if sp.run(["mount", "--bind", str(source), str(mounted)], capture_output=True).returncode != 0:
+        pytest.skip("cannot bind-mount here (needs root)")
+    try:
+        if sp.run(["mount", "-o", "remount,bind,ro", str(mounted)], capture_output=True).returncode != 0:
+            pytest.skip("cannot remount read-only here")
+        save = tmp_path / "new_save"
+        result = launch.run([*launch.TINY_MODEL, *launch.TINY_TRAINING, "--train-iters", "3",
+                             "--load", str(mounted), "--save", str(save), "--save-interval", "2"])
+    finally:
+        sp.run(["umount", "-l", str(mounted)], check=False)
+    out = result.stdout
+    assert result.returncode == 0, out[-3000:]
+    assert "[resil] load: rejected persistent iteration 4" in out
+    assert f"[resil] quarantine: left {mounted}/iter_0000004 in place" in out
+    assert "successfully loaded checkpoint from" in out and "at iteration 2" in out
+    assert sorted(p.name for p in source.iterdir() if p.name.startswith("iter_")) == \
+        ["iter_0000002", "iter_0000004"]  # nothing renamed in the directory that was only read

@@ -69,6 +69,8 @@ class GlobalTier(CheckpointTier):
         self.verify_checksums = verify_checksums
         self.on_staged = None  # called with the iteration after the shards are written, before publish
         self._common_of: tuple[str, dict] | None = None
+        # A --load that is not this run's --save is only read: a rejected checkpoint there stays put.
+        self.read_only = False
 
     # ---- load side -------------------------------------------------------------------------
     def candidates(self) -> list[TierCandidate]:
@@ -122,16 +124,30 @@ class GlobalTier(CheckpointTier):
         return safe_load.check_checkpoint(path, backend)
 
     def quarantine(self, candidate: TierCandidate, reason: str) -> None:
+        """Rank 0 moves a rejected checkpoint aside; an error there is logged, never raised, so every
+        rank reaches the barrier and the loader moves on to the next candidate together."""
         if parallel.is_rank0() and os.path.isdir(candidate.path) and \
                 os.path.basename(candidate.path) != layout.RELEASE_DIR:
+            self._move_aside(candidate, reason)
+        _barrier()
+
+    def _move_aside(self, candidate: TierCandidate, reason: str) -> None:
+        if self.read_only:
+            events.decision("quarantine", f"left {candidate.path} in place: {self.root} is only read by this "
+                            "run (--load is not --save); skipped", path=candidate.path, moved=False)
+            return
+        try:
             target = layout.new_quarantine_dir(self.root, candidate.iteration, _slug(reason))
             os.rename(candidate.path, target)
             replace_file_text(os.path.join(target, "QUARANTINE_REASON.txt"), reason + "\n")
             fsync_dir(self.root)
-            events.decision("quarantine", f"renamed {candidate.path} to {target}: {reason}; "
-                            "kept for inspection, never loaded again", tier=self.name,
-                            iteration=candidate.iteration, path=target, reason=reason)
-        _barrier()
+        except OSError as err:
+            events.decision("quarantine", f"could not move {candidate.path} aside ({err.strerror or err}); "
+                            "left in place and skipped", path=candidate.path, moved=False)
+            return
+        events.decision("quarantine", f"renamed {candidate.path} to {target}: {reason}; "
+                        "kept for inspection, never loaded again", tier=self.name,
+                        iteration=candidate.iteration, path=target, reason=reason)
 
     def saved_args(self, candidate: TierCandidate):
         return self._common(candidate).get("args", {})

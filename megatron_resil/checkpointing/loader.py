@@ -75,7 +75,10 @@ def load_first_verified(tiers: list[CheckpointTier], make_template: TemplateMake
     metadata)` builds what the candidate is loaded into."""
     for tier, candidate in newest_first(tiers, older_than):
         where = f"{candidate.tier} iteration {candidate.iteration} ({candidate.path})"
-        reason = tier.verify(candidate)
+        try:  # an error on one rank must not leave the others waiting in the agreement below
+            reason = tier.verify(candidate)
+        except Exception as err:  # noqa: BLE001 - reported as this rank's finding
+            reason = f"could not be verified ({_one_line(err)})"
         if not parallel.all_ranks_agree(reason is None):
             reasons = parallel.all_gather_object(reason)
             why = _summarise(reasons)

@@ -150,6 +150,7 @@ class CheckpointManager:
     def _persistent_tier(self) -> GlobalTier:
         tier = GlobalTier(self.config.load, verify_checksums=self.config.verify_checksums)
         tier.content_metadata = state.sharding_metadata(self.args)
+        tier.read_only = not _same_dir(self.config.load, self.config.save)
         return tier
 
     def _first_verified(self, tiers: list[CheckpointTier],
