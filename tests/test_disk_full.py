@@ -37,13 +37,15 @@ def _args(save, iters: int) -> list[str]:
 
 
 def _fill_bytes(disk) -> None:
-    with open(disk / "filler", "wb") as f:
-        try:
+    fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        for size in (65536, 4096, 1):  # down to the last byte
             while True:
-                f.write(b"\0" * 65536)
-                f.flush()
-        except OSError as err:
-            assert err.errno == errno.ENOSPC
+                os.write(fd, b"\0" * size)
+    except OSError as err:
+        assert err.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
     stat = os.statvfs(disk)
     assert stat.f_bavail * stat.f_frsize < 65536
 

@@ -30,6 +30,7 @@ import time
 
 LOCK_NAME = ".resil.lock"
 LEASE_SECS = 300.0
+_RECORD_BYTES = 1024
 
 
 class DirectoryInUse(Exception):
@@ -83,7 +84,11 @@ class DirectoryLock:
                                      "wait for it to end or give this job its own directory") from None
             previous = _read(fd)  # as the last holder left it
             takeover = self._judge(previous)
-            self._write(fd, _me())
+            try:
+                self._write(fd, _me())
+            except OSError as err:  # a full disk: the flock holds all the same; only the name is missing
+                if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
         except BaseException:
             os.close(fd)
             raise
@@ -94,21 +99,21 @@ class DirectoryLock:
         return takeover
 
     def release(self) -> None:
-        """At a normal exit: an empty lock file says nobody holds it, so the next job needs no takeover
-        (a crashed holder leaves its name, and the next job logs why it took over). The file stays:
+        """At a normal exit: the lock file says it was released, so the next job needs no takeover (a
+        crashed holder leaves its name, and the next job logs why it took over). The file stays:
         unlinking it could let two jobs lock two different files of one name."""
         fd, self.fd = self.fd, None
         if fd is None:
             return
         try:
-            os.ftruncate(fd, 0)
+            self._write(fd, {"released": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
         except OSError:
             pass
         os.close(fd)
 
     def _judge(self, previous: dict | None) -> str | None:
         """We hold the flock: is the last holder gone? Raises DirectoryInUse if it may not be."""
-        if not previous or previous.get("pid") is None:
+        if not previous or previous.get("pid") is None:  # new, or released at a normal exit
             return None
         me = _me()
         if previous.get("host") == me["host"] and previous.get("pid") == me["pid"]:
@@ -134,9 +139,11 @@ class DirectoryLock:
 
     @staticmethod
     def _write(fd: int, holder: dict) -> None:
-        data = json.dumps(holder, sort_keys=True).encode() + b"\n"
-        os.ftruncate(fd, 0)
+        """In place, padded to a fixed size: once the file has its block, rewriting it needs no free
+        space (a full disk must not stop the next job from taking the lock)."""
+        data = json.dumps(holder, sort_keys=True).encode().ljust(_RECORD_BYTES - 1) + b"\n"
         os.pwrite(fd, data, 0)
+        os.ftruncate(fd, len(data))
         os.fsync(fd)
 
     def _renew(self) -> None:
