@@ -23,10 +23,11 @@ pytestmark = pytest.mark.slow
 DRILL = str(launch.REPO / "scripts" / "node_loss_drill.py")
 
 
-def _drill(variant: str, tmp_path: Path) -> tuple[str, Path]:
+def _drill(variant: str, tmp_path: Path, parallel_layout: str = "dp") -> tuple[str, Path]:
     work = tmp_path / "drill"
     result = subprocess.run([sys.executable, DRILL, "--variant", variant, "--workdir", str(work),
-                             "--timeout", "420"], env=launch.env(), cwd=launch.REPO, timeout=480,
+                             "--layout", parallel_layout, "--timeout", "420"], env=launch.env(),
+                            cwd=launch.REPO, timeout=480,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     node0 = (work / "node0.log").read_text(errors="replace") if (work / "node0.log").exists() else ""
     assert result.returncode == 0, result.stdout[-4000:] + "\n--- node 0 ---\n" + node0[-4000:]
@@ -50,7 +51,8 @@ def _goodput_accounts_for_the_wall_time(save: Path, attempts: int) -> None:
 
 
 def test_a_replicas_intact_resume_from_the_surviving_node(tmp_path):
-    log, work = _drill("a", tmp_path)
+    # On TP=2 x PP=2: no data parallelism, so each shard's replica on the other node is its only copy.
+    log, work = _drill("a", tmp_path, parallel_layout="tp2-pp2")
     assert "shards fetched from replicas: rank 2 from rank 0, rank 3 from rank 1" in log
     assert "[resil] load: accepted local iteration 8" in log
     assert "iteration       14/      14" in log or "iteration 14/" in log.replace("  ", " ")
@@ -88,11 +90,16 @@ def test_d_a_nan_reproducing_everywhere_ends_with_exit_8_after_bounded_retries(t
     assert "exiting with code 8" in log and "(do not requeue)" in log
     assert "asked ft_launcher not to restart the workers (ShutdownWorkload)" in log
     # Four attempts: the first, after the node loss, after the first exit 16, after the retry's exit 16;
-    # none after exit 8.
+    # none trains after exit 8. (NVRx 0.4.1 sometimes joins one more round despite ShutdownWorkload: that
+    # attempt stops at once, before training, with exit 8 again.)
     events = [json.loads(line) for line in (save / "events.jsonl").read_text().splitlines()]
     starts = [e for e in events if e["event"] == "start"]
     unrecoverable = [e for e in events if e["event"] == "exit" and e.get("exit_code") == 8]
-    assert len(starts) == 4 and len(unrecoverable) == 1 and unrecoverable[0]["unix"] > starts[-1]["unix"]
+    assert len(starts) in (4, 5) and unrecoverable and unrecoverable[0]["unix"] > starts[3]["unix"]
+    if len(starts) == 5:
+        stopped = unrecoverable[-1]["message"]
+        assert "an earlier attempt of this launcher run ended with exit code 8" in stopped
+        assert not [e for e in events if e["event"] == "progress" and e["unix"] > starts[4]["unix"]]
     # The diagnostic checkpoint was published atomically like any other; nothing half-written remains.
     assert 16 in layout.published_iterations(str(save))
     assert not any(layout.leftovers(str(save)).values())
