@@ -90,3 +90,25 @@ def test_a_full_disk_during_a_save_exits_4_everywhere_and_keeps_the_previous_che
     verify = subprocess.run([sys.executable, "-m", "megatron_resil.tools.ckpt", "verify", str(save)],
                             env=launch.env(), cwd=launch.REPO, capture_output=True, text=True, timeout=120)
     assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def test_async_saves_on_a_full_disk_are_dropped_until_too_many_fail_in_a_row_then_exit_4(small_disk):
+    save = small_disk / "ckpt"
+    first = launch.run(_args(save, 4))
+    assert first.returncode == 0, first.stdout[-3000:]
+    _fill_bytes(small_disk)
+
+    result = launch.run([*_args(save, 40), "--async-save", "--save-interval", "1",
+                         "--async-save-max-failures", "3"])
+    out = result.stdout
+    dropped = [line for line in out.splitlines()
+               if line.startswith("[resil] save: async save of persistent")]
+    assert len(dropped) == 2 and all("training continues" in line for line in dropped), out[-4000:]
+    exits = [line for line in out.splitlines() if line.startswith("[resil] exit:")]
+    assert len(exits) == 1 and "3 async saves in a row failed" in exits[0], exits
+    assert "exiting with code 4" in exits[0]
+    root_cause = re.search(r"Root Cause.*?exitcode\s*:\s*(-?\d+)", out, re.DOTALL)
+    assert root_cause and int(root_cause.group(1)) == 4, out[-3000:]
+    assert launch.losses(out)  # it trained between the failed saves
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    assert not [p for p in os.listdir(save) if p.startswith(".tmp_iter")]

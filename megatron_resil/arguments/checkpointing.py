@@ -65,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--async-save-timeout-secs", type=float, default=600.0,
                    help="an async save not written within this time is dropped and its worker killed "
                         "(the previous checkpoints stay; training continues)")
+    g.add_argument("--async-save-max-failures", type=int, default=3,
+                   help="this many failed async saves in a row end the job with exit code 4 (one failed "
+                        "save is dropped and training continues)")
     g.add_argument("--ckpt-skip-checksums", action="store_true",
                    help="do not verify file checksums on load (sizes and the manifest still are)")
 
@@ -123,6 +126,8 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
                             f"{args.ckpt_format}; drop --async-save or use torch_dist")
     if args.async_save_timeout_secs <= 0:
         raise ArgumentError("--async-save-timeout-secs must be positive")
+    if args.async_save_max_failures < 1:
+        raise ArgumentError("--async-save-max-failures must be at least 1")
     if args.exit_on_missing_checkpoint and args.load is None:
         raise ArgumentError("--exit-on-missing-checkpoint needs --load DIR")
 

@@ -141,8 +141,10 @@ class _Pending:
 
 
 class AsyncSaves:
-    def __init__(self, timeout_secs: float) -> None:
+    def __init__(self, timeout_secs: float, max_failures: int = 3) -> None:
         self.timeout_secs = timeout_secs
+        self.max_failures = max_failures
+        self.failures_in_a_row = 0
         self.worker = WriterProcess()
         self.pending: _Pending | None = None
         self._tag = 0
@@ -158,7 +160,11 @@ class AsyncSaves:
             events.decision("save", "async checkpoint worker restarted before the save of iteration "
                             f"{iteration} (" + "; ".join(replaced) + ")", iteration=iteration,
                             reasons=replaced)
-        job = tier.save_async(sharded_state, iteration)
+        try:
+            job = tier.save_async(sharded_state, iteration)
+        except CheckpointSaveError as err:  # agreed on every rank: dropped like a failed write
+            self._failed(tier.name, iteration, err)
+            return
         self._tag += 1
         self.worker.submit(self._tag, job.work, job.work_args)
         self.pending = _Pending(tier, job, self._tag, time.monotonic(), on_published)
@@ -202,12 +208,23 @@ class AsyncSaves:
             path = job.publish([result for _, result in verdicts])
         except CheckpointSaveError as err:
             self.worker.start()  # a fresh one now where one failed, so its start-up overlaps training
-            events.decision("save", f"async save of {name} iteration {job.iteration} failed ({err}); "
-                            "nothing was published, the previous checkpoints are intact; training "
-                            "continues", tier=name, iteration=job.iteration, reason=str(err))
+            self._failed(name, job.iteration, err)
             return False
+        self.failures_in_a_row = 0
         pending.on_published(pending.tier, job.iteration, path, time.monotonic() - pending.started)
         return True
+
+    def _failed(self, name: str, iteration: int, err: CheckpointSaveError) -> None:
+        """One failed async save is dropped; --async-save-max-failures in a row end the job (exit 4)."""
+        self.failures_in_a_row += 1
+        if self.failures_in_a_row >= self.max_failures:  # a disk that stays full, a dead file system
+            raise CheckpointSaveError(f"{self.failures_in_a_row} async saves in a row failed "
+                                      f"(--async-save-max-failures {self.max_failures}), the last of {name} "
+                                      f"iteration {iteration}: {err}") from None
+        events.decision("save", f"async save of {name} iteration {iteration} failed ({err}); nothing was "
+                        "published, the previous checkpoints are intact; training continues "
+                        f"({self.failures_in_a_row} of at most {self.max_failures - 1} failures in a row)",
+                        tier=name, iteration=iteration, reason=str(err))
 
     def wait(self) -> bool:
         return self.poll(blocking=True)

@@ -201,12 +201,33 @@ class GlobalTier(CheckpointTier):
         megatron-core's finalize steps (global .metadata) and our publish follow on every rank."""
         dcp_writer.ensure_write_queue()
         staging = self._begin(iteration)
-        request = dist_checkpointing.save(snapshot(sharded_state), staging, sharded_strategy=self._strategy(),
-                                          async_sharded_save=True, content_metadata=self.content_metadata)
+        request, failure = None, None
+        try:  # planning and staging are collective; rank 0 also writes common.pt here
+            with dcp_writer.rank0_writes_fail_late():
+                request = dist_checkpointing.save(snapshot(sharded_state), staging,
+                                                  sharded_strategy=self._strategy(), async_sharded_save=True,
+                                                  content_metadata=self.content_metadata)
+        except (Exception, CheckpointException) as err:  # DCP's is a BaseException
+            failure = _one_line(err)
+        failed = [(rank, why) for rank, why in enumerate(parallel.all_gather_object(failure)) if why]
+        if failed:
+            self.abandon(staging)
+            raise CheckpointSaveError(f"could not stage iteration {iteration} in {self.root}: rank "
+                                      f"{failed[0][0]}: {failed[0][1]}")
 
         def publish(per_rank_checksums: list) -> str:
-            for finalize in request.finalize_fns:
-                finalize()
+            failure = None
+            try:  # megatron-core's finalisation: the global .metadata, metadata.json (rank 0), barriers
+                with dcp_writer.rank0_writes_fail_late():
+                    for finalize in request.finalize_fns:
+                        finalize()
+            except (Exception, CheckpointException) as err:  # DCP's is a BaseException
+                failure = _one_line(err)
+            failed = [(rank, why) for rank, why in enumerate(parallel.all_gather_object(failure)) if why]
+            if failed:
+                self.abandon(staging)
+                raise CheckpointSaveError(f"could not finish iteration {iteration} in {self.root}: rank "
+                                          f"{failed[0][0]}: {failed[0][1]}")
             return self.finish(staging, iteration, _merged(per_rank_checksums))
 
         return AsyncSaveJob(iteration, write_own_shards,

@@ -51,6 +51,7 @@ class CheckpointConfig:
     canary_iters: int
     async_save: bool
     async_timeout_secs: float
+    async_max_failures: int
     ckpt_format: str
 
     @classmethod
@@ -72,6 +73,7 @@ class CheckpointConfig:
                    if args.replication else None,
                    canary_iters=args.non_persistent_canary_iters,
                    async_save=args.async_save, async_timeout_secs=args.async_save_timeout_secs,
+                   async_max_failures=args.async_save_max_failures,
                    ckpt_format=args.ckpt_format)
 
 
@@ -88,7 +90,8 @@ class CheckpointManager:
                 tier.content_metadata = state.sharding_metadata(args,
                                                                 for_local_tier=isinstance(tier, LocalTier))
         self.canary = LoadCanary(config.canary_iters)
-        self.async_saves = AsyncSaves(config.async_timeout_secs) if config.async_save else None
+        self.async_saves = AsyncSaves(config.async_timeout_secs, config.async_max_failures) \
+            if config.async_save else None
         self.last_saved_iteration: int | None = None
         self.kept_diagnostic: int | None = None  # after a rerun fallback: never overwrite this iteration
         self._load_optim, self._load_rng = config.load_optim, config.load_rng
