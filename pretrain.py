@@ -41,5 +41,16 @@ def exit_without_teardown(code: int) -> None:
     os._exit(int(code or 0))
 
 
+def _code_of(stop: SystemExit) -> int:
+    if stop.code is None or isinstance(stop.code, int):
+        return stop.code or 0
+    print(stop.code, file=sys.stderr)  # what Python prints for sys.exit("message")
+    return 1
+
+
 if __name__ == "__main__":  # a spawned helper (async save's Manager) re-imports this module: keep it light
-    exit_without_teardown(main())
+    try:
+        code = main()
+    except SystemExit as stop:  # a decided exit (2, 3): no teardown either, where gloo could abort
+        code = _code_of(stop)
+    exit_without_teardown(code)

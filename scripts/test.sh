@@ -5,12 +5,12 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup_env.sh"
 cd "$ROOT"
 set +e
-# Two tests at a time (pytest-xdist; tests/conftest.py keeps each file's tests on one worker): most of
-# a multi-process test is waiting (start-up, rendezvous, timeouts), so two fit on two cores. `-n 0` (or
-# `-p no:xdist`) among the arguments runs them one at a time.
-PARALLEL=(-n 2 --dist loadgroup)
+# One test at a time by default (what CI runs). `-n 2` runs two at a time (pytest-xdist; tests/conftest.py
+# keeps each file's tests on one worker and gives --dist loadgroup): about 16 instead of 22 minutes on two
+# cores, but the timing-sensitive async-save tests are not yet reliable with another test beside them.
+PARALLEL=()
 for arg in "$@"; do
-  case "$arg" in -n|-n*|--numprocesses*|-p) PARALLEL=() ;; esac
+  case "$arg" in -n|-n*|--numprocesses*) PARALLEL=(--dist loadgroup) ;; esac
 done
 python -m pytest tests "${PARALLEL[@]}" "$@"
 rc=$?
