@@ -128,8 +128,14 @@ def train(args, model, optimizer, scheduler, checkpoints, progress: TrainProgres
     stragglers = StragglerDetection.from_args(args, model)  # times each rank's own forward and backward
     events.print_rank_0(f"training from iteration {progress.iteration} to {args.train_iters}")
     if (stop := stops.signalled(progress.iteration)) is not None:
-        events.decision("exit", f"{stop.reason}; saving and exiting with code {stop.exit_code}",
+        # Nothing was trained: the checkpoint just loaded (or none) stays the latest. A save here would
+        # only write an untrained model whose optimizer has no state yet, which no later run can load.
+        events.decision("exit", f"{stop.reason}; nothing trained since the load, so nothing to save; "
+                        f"exiting with code {stop.exit_code}",
                         iteration=progress.iteration, exit_code=stop.exit_code, requeue=stop.requeue)
+        ft.close()
+        logger.close()
+        return stop.exit_code
     while stop is None and progress.iteration < args.train_iters:
         with ft.step():  # an injected hang or slowness counts as part of the iteration
             stragglers.iteration_started()  # this rank's own work starts here, injected slowness included

@@ -8,7 +8,6 @@
 # MAX_RESTARTS (in-job restarts by ft_launcher, default 2), FT_LAUNCHER_ARGS (extra ft_launcher flags).
 
 : "${MAX_RESTARTS:=2}"
-: "${RDZV_PORT:=29500}"
 
 resil_log() { echo "[resil-launch] $(date '+%Y-%m-%d %H:%M:%S') $*"; }
 
@@ -22,7 +21,20 @@ resil_save_dir() {
   done
 }
 
+# One clear line, exit 2, when RESIL_PYTHON cannot run the project (no venv, wrong interpreter), instead
+# of an ImportError that the argument check below would report as bad arguments.
+resil_check_python() {
+  local find='import importlib.util as u, sys
+sys.exit(any(u.find_spec(m) is None for m in ("torch", "megatron.core", "nvidia_resiliency_ext", "megatron_resil")))'
+  if ! (cd "$RESIL_ROOT" && "$RESIL_PYTHON" -c "$find") 2>/dev/null; then
+    echo "$RESIL_SCRIPT: RESIL_PYTHON=$RESIL_PYTHON cannot import torch, megatron-core, nvidia-resiliency-ext" \
+      "and megatron_resil: run 'bash scripts/setup_env.sh' in $RESIL_ROOT, or export RESIL_PYTHON=<that python>" >&2
+    return 2
+  fi
+}
+
 # Bad arguments end here with exit code 2, before any allocation time or restart is spent on them.
+# (ft_launcher provides what --enable-ft-package needs; --check-args-only takes that as given.)
 resil_check_args() {
   WORLD_SIZE=$((NNODES * NPROC_PER_NODE)) "$RESIL_PYTHON" "$RESIL_ROOT/pretrain.py" --check-args-only "$@"
 }
@@ -35,13 +47,20 @@ resil_launcher_cmd() {
     --ft-enable-nic-monitor false ${FT_LAUNCHER_ARGS:-})
 }
 
+# How a SIGTERM to the script reaches the job step's launchers (pid of the step in $1). Locally: a kill.
+# The Slurm script replaces this: srun answers a SIGTERM by killing its tasks.
+resil_forward_term() {
+  resil_log "SIGTERM: forwarding to the job step (pid $1)"
+  kill -TERM "$1" 2>/dev/null
+}
+
 # Run one job step in the background ("$@": the full command) and wait for it, forwarding SIGTERM
 # (Slurm's --signal=B:SIGTERM@grace, or the local launcher's preemption) to it; its pretrain.py
 # ranks then save and exit 5. Sets RESIL_STEP_CODE.
 resil_run_step() {
   "$@" &
   local child=$!
-  trap 'resil_log "SIGTERM: forwarding to the job step (pid '"$child"')"; kill -TERM '"$child"' 2>/dev/null' TERM
+  trap 'resil_forward_term '"$child" TERM
   # `wait` returns early when a trapped signal arrives: wait again until the step has really ended.
   while true; do
     wait "$child"

@@ -9,6 +9,7 @@
 # (--save DIR is required: the requeue decision reads DIR/events.jsonl). Exit code: the run's own
 # (0 finished; see the README's table), or 1 when MAX_REQUEUES ran out.
 set -uo pipefail
+RESIL_SCRIPT=run_local.sh
 RESIL_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [ -z "${RESIL_PYTHON:-}" ]; then
   RESIL_PYTHON="$RESIL_ROOT/.venv/bin/python"
@@ -26,9 +27,10 @@ FT_LAUNCHER_ARGS="--local-addr 127.0.0.1 --rdzv-id local ${FT_LAUNCHER_ARGS:-}"
 
 RESIL_SAVE_DIR="$(resil_save_dir "$@")"
 if [ -z "$RESIL_SAVE_DIR" ]; then
-  echo "run_local.sh: pass --save DIR: the requeue decision reads the run's DIR/events.jsonl" >&2
+  echo "$RESIL_SCRIPT: pass --save DIR: the requeue decision reads the run's DIR/events.jsonl" >&2
   exit 2
 fi
+resil_check_python || exit 2
 resil_check_args "$@" >/dev/null || exit 2
 
 for ((requeue = 0; ; requeue++)); do

@@ -169,3 +169,8 @@ def test_sigterm_during_set_up_is_honoured_with_exit_5_and_an_exit_record(tmp_pa
     exits = [r for r in records if r["event"] == "exit"]
     assert len(exits) == 1 and exits[0]["exit_code"] == 5 and exits[0]["iteration"] == 0, exits
     assert launch.losses(out) == {}  # no step was taken
+    # Nothing trained, nothing saved: an untrained iteration-0 checkpoint (its optimizer without state)
+    # could not be loaded by the requeued job.
+    assert "nothing to save" in exits[0]["message"]
+    assert not (save / "latest_checkpointed_iteration.txt").exists()
+    assert not list(save.glob("iter_*"))

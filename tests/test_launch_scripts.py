@@ -123,3 +123,22 @@ def test_local_launcher_preemption_requeues_and_resumes_to_completion(tmp_path):
 
 def _not_json(constant: str) -> None:
     raise AssertionError(f"{constant} is not JSON")
+
+
+def _attempt(loaded: int, published: list[int], code: int) -> list[dict]:
+    return [_ev("start"), _ev("loaded", iteration=loaded),
+            *[_ev("save_published", iteration=i) for i in published], _ev("exit", exit_code=code)]
+
+
+@pytest.mark.parametrize("earlier,this,verb", [
+    (_attempt(0, [], 5), _attempt(0, [], 5), "stop"),  # signalled at once, twice: a --signal lead >= --time
+    (_attempt(0, [10], 5), _attempt(10, [10], 5), "requeue"),  # the last one did nothing: once may be bad luck
+    (_attempt(0, [], 5), _attempt(0, [10], 5), "requeue"),  # progress in this one
+    ([], _attempt(0, [], 5), "requeue"),
+    (_attempt(0, [], 9), _attempt(0, [], 5), "requeue"),  # the earlier one was not a signal
+], ids=["twice-no-progress", "earlier-progressed", "this-progressed", "first", "earlier-not-signalled"])
+def test_requeue_loop_guard_stops_a_job_signalled_twice_before_saving_anything_new(earlier, this, verb):
+    got_verb, code, reason = decide(this, 1, earlier)
+    assert (got_verb, code) == (verb, 5), reason
+    if verb == "stop":
+        assert "--signal" in reason and "--time" in reason

@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
         group.add_arguments(parser)
     parser.add_argument("--check-args-only", action="store_true",
                         help="validate the command line (world size from WORLD_SIZE) and exit 0 without "
-                             "training: the launch scripts run this before spending an allocation")
+                             "training: the launch scripts run this before spending an allocation (what the "
+                             "launcher will provide, such as ft_launcher's rank monitor, is taken as given)")
     return parser
 
 

@@ -40,7 +40,8 @@ _REQUEUE = {
 }
 
 
-def read_events(path: str, since: float) -> list[dict]:
+def read_events(path: str, since: float, before: bool = False) -> list[dict]:
+    """The events from unix time `since` on (or, with `before`, those before it)."""
     events = []
     with open(path, errors="replace") as f:
         for line in f:
@@ -48,13 +49,42 @@ def read_events(path: str, since: float) -> list[dict]:
                 entry = json.loads(line)
             except ValueError:
                 continue  # a torn last line of a killed writer
-            if isinstance(entry, dict) and entry.get("unix", 0) >= since:
+            if isinstance(entry, dict) and (entry.get("unix", 0) >= since) != before:
                 events.append(entry)
     return events
 
 
-def decide(events: list[dict], launcher_exit_code: int) -> tuple[str, int, str]:
-    """(verb, exit code, reason) from the step's events (oldest first) and the launcher's exit code."""
+_SIGNALLED = {exit_codes.SIGNAL_SAVED, exit_codes.SIGNAL_DEADLINE}
+
+
+def _last_attempt(events: list[dict]) -> list[dict]:
+    """The events of the last attempt (from its last `start`) in `events`."""
+    starts = [i for i, e in enumerate(events) if e.get("event") == "start"]
+    return events[starts[-1]:] if starts else events
+
+
+def _signalled_without_progress(attempt: list[dict]) -> bool:
+    """The attempt ended by the exit signal before it published an iteration beyond the one it loaded."""
+    ends = [e for e in attempt if e.get("event") == "exit" and "exit_code" in e]
+    if not ends or int(ends[-1]["exit_code"]) not in _SIGNALLED:
+        return False
+    loaded = max((int(e.get("iteration") or 0) for e in attempt if e.get("event") in ("load", "loaded")),
+                 default=0)
+    return not any(e.get("event") == "save_published" and int(e.get("iteration") or 0) > loaded
+                   for e in attempt)
+
+
+def decide(events: list[dict], launcher_exit_code: int,
+           earlier: list[dict] | None = None) -> tuple[str, int, str]:
+    """(verb, exit code, reason) from the step's events (oldest first), the launcher's exit code, and
+    the events of the steps before it (`earlier`, for the requeue-loop guard)."""
+    if (_signalled_without_progress(_last_attempt(events)) and earlier
+            and _signalled_without_progress(_last_attempt(earlier))):
+        code = int([e for e in events if e.get("event") == "exit"][-1]["exit_code"])
+        return "stop", code, (
+            "two attempts in a row were stopped by the exit signal before they saved a new iteration: "
+            "requeueing would loop; under Slurm the warning signal comes too soon for the time limit "
+            "(keep --signal=B:TERM@<seconds> well under --time)")
     ends = [e for e in events if e.get("event") in ("finished", "exit") and "exit_code" in e]
     if not ends:
         if launcher_exit_code == 0:
@@ -86,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     path = os.path.join(args.save, EVENT_LOG_NAME)
     events = read_events(path, args.since) if os.path.isfile(path) else []
-    verb, code, reason = decide(events, args.launcher_exit_code)
+    earlier = read_events(path, args.since, before=True) if os.path.isfile(path) else []
+    verb, code, reason = decide(events, args.launcher_exit_code, earlier)
     print(f"{verb} {code}: {reason}")
     return 0
 

@@ -1,0 +1,257 @@
+"""scripts/pretrain.sbatch under a real Slurm: a throwaway single-node Slurm 22.05 (Debian's slurmctld
+and slurmd, started for this module by megatron_resil.tools.local_slurm, installed first when missing
+and this is root), jobs submitted the way the README tells users to, and the outcome read from
+`scontrol show job` (JobState, Restarts, ExitCode) and the job's output file.
+
+The stories: a run finishes COMPLETED beside a second job on the same node (each with its own
+rendezvous); at the time limit the warning signal makes the ranks save the iteration they reached, the
+job requeues itself and the next attempt resumes from exactly there; `scontrol requeue` does the same
+through Slurm; `scancel` lets the ranks save and the job stays CANCELLED; bad arguments (2) and nothing
+to load (3) end the job without a requeue, as does a project root or Python that cannot run; under
+--enable-ft-package a frozen rank is caught by ft_launcher inside the job and the job still finishes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_resil.tools import local_slurm
+from tests import launch
+
+pytestmark = pytest.mark.slow
+
+SBATCH = "scripts/pretrain.sbatch"  # relative, as a user submits it from the checkout
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
+         "BOOT_FAIL", "DEADLINE"}
+# Iterations slowed to 0.1 s on rank 0, so a signal lands mid-run wherever Slurm's 30 s timer is.
+SLOW = ["--inject-fault", "slow", "--inject-fault-iteration", "1", "--inject-fault-slow-secs", "0.1"]
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory) -> dict[str, str]:
+    """The clients' environment of a single-node Slurm that lives as long as this module."""
+    try:
+        local_slurm.install()
+    except local_slurm.SlurmUnavailable as e:
+        pytest.skip(f"no Slurm: {e}")
+    directory = tmp_path_factory.mktemp("slurm")
+    try:
+        env = local_slurm.start(directory)
+    except local_slurm.SlurmUnavailable as e:
+        pytest.skip(f"Slurm does not start here: {e}")
+    yield env
+    subprocess.run(["scancel", "--full", "--user", str(os.getuid())], env=env, capture_output=True)
+    deadline = time.monotonic() + 60
+    while _queue(env) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    local_slurm.stop(directory)
+
+
+def _queue(env) -> str:
+    return subprocess.run(["squeue", "-h"], env=env, capture_output=True, text=True).stdout.strip()
+
+
+def _job_env(slurm_env: dict[str, str], **extra: str) -> dict[str, str]:
+    return {**launch.env(), "SLURM_CONF": slurm_env["SLURM_CONF"], "NPROC_PER_NODE": "2",
+            "RESIL_PYTHON": sys.executable, "MAX_RESTARTS": "0", **extra}
+
+
+# --time=10: the script's default warning signal comes 300 s before the limit; a limit of 5 minutes or less
+# would signal at once.
+def _submit(slurm_env, out: Path, args: list[str], sbatch_args: tuple[str, ...] = ("--time=10",),
+            **extra_env: str) -> str:
+    done = subprocess.run(["sbatch", "--parsable", *sbatch_args, f"--output={out}", SBATCH, *args],
+                          env=_job_env(slurm_env, **extra_env), cwd=launch.REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().split(";")[0]
+
+
+def _job(slurm_env, job: str) -> dict[str, str]:
+    """`scontrol show job -o` as a dict (JobState, Restarts, ExitCode, ...)."""
+    line = subprocess.run(["scontrol", "show", "job", "-o", job], env=slurm_env, capture_output=True,
+                          text=True).stdout
+    return dict(field.split("=", 1) for field in line.split() if "=" in field)
+
+
+def _wait(what, condition, timeout: float, out: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            tail = out.read_text(errors="replace")[-4000:] if out is not None and out.exists() else ""
+            raise AssertionError(f"{what} within {timeout:.0f} s\n{tail}")
+        time.sleep(0.5)
+
+
+def _wait_ended(slurm_env, job: str, out: Path, timeout: float = 240) -> dict[str, str]:
+    _wait(f"job {job} did not end", lambda: _job(slurm_env, job).get("JobState") in ENDED, timeout, out)
+    return _job(slurm_env, job)
+
+
+def _wait_for_line(out: Path, pattern: str, timeout: float = 120) -> None:
+    _wait(f"no line matching {pattern!r}",
+          lambda: out.exists() and re.search(pattern, out.read_text(errors="replace")), timeout, out)
+
+
+def _args(save: Path, iters: int, *extra: str) -> list[str]:
+    return [*launch.TINY_MODEL, *launch.TINY_TRAINING, "--train-iters", str(iters), "--save", str(save),
+            "--load", str(save), "--save-interval", "1000", "--exit-signal-handler", *extra]
+
+
+def _saved(out: str) -> list[int]:
+    return [int(n) for n in re.findall(r"successfully saved checkpoint from iteration\s+(\d+)", out)]
+
+
+def _attempts(out: str) -> list[str]:
+    """The output of each attempt of the job (--open-mode=append keeps them in one file)."""
+    return re.split(r"\[resil-launch\] \S+ \S+ job \d+ \(requeue \d+ of", out)[1:]
+
+
+def _assert_resumed_where_it_saved(out: str, final_iteration: int) -> int:
+    """Two attempts: the first saved the last iteration it trained, the second resumed from it."""
+    first, second = _attempts(out)
+    trained = sorted(launch.losses(first))
+    saved = _saved(first)
+    assert saved and trained and saved[-1] == trained[-1], (saved, trained[-3:])  # nothing trained is lost
+    assert f"requeue 5: stopped by the exit signal after saving" in first
+    assert re.search(rf"successfully loaded checkpoint from .* at iteration {saved[-1]} ", second), second[-3000:]
+    assert min(launch.losses(second)) == saved[-1] + 1
+    assert f"stop 0: training finished at iteration {final_iteration}" in second
+    return saved[-1]
+
+
+def test_two_jobs_on_one_node_each_train_to_completion_with_their_own_rendezvous(slurm, tmp_path):
+    jobs = {}
+    for name in ("a", "b"):
+        out = tmp_path / f"{name}.out"
+        jobs[name] = (_submit(slurm, out, _args(tmp_path / name, 20, *SLOW)), out)
+    ports = set()
+    for name, (job, out) in jobs.items():
+        info = _wait_ended(slurm, job, out)
+        text = out.read_text()
+        assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), text[-3000:]
+        assert "stop 0: training finished at iteration 20" in text
+        assert sorted(launch.losses(text)) == list(range(1, 21))
+        ports.add(re.search(r"rendezvous on \S+:(\d+)", text).group(1))
+        assert (tmp_path / name / "latest_checkpointed_iteration.txt").read_text().strip() == "20"
+    assert len(ports) == 2, ports  # a shared port made the second job join the first one's store
+
+
+def test_time_limit_saves_the_iteration_reached_requeues_and_resumes_from_it(slurm, tmp_path):
+    out, save = tmp_path / "job.out", tmp_path / "ckpt"
+    # The warning signal 50 s before a 1-minute limit: at Slurm's next time-limit check (every 30 s).
+    job = _submit(slurm, out, _args(save, 400, *SLOW), ("--time=1", "--signal=B:TERM@50"))
+    _wait("the job was not requeued", lambda: _job(slurm, job).get("Restarts") == "1", 150, out)
+    # The operator gives the requeued job the time it needs (otherwise it would save and requeue again
+    # at each limit, also correct, but slower to test).
+    subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=10"], env=slurm, check=True)
+    info = _wait_ended(slurm, job, out)
+    text = out.read_text()
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), text[-3000:]
+    assert "SIGTERM: forwarding to the job step's launchers" in text
+    assert "forcing job termination" not in text  # srun's answer to a SIGTERM: the ranks were killed
+    assert "requeueing job" in text and "(Slurm shows it RUNNING)" in text
+    _assert_resumed_where_it_saved(text, 400)
+
+
+def test_scontrol_requeue_mid_run_saves_and_resumes_once(slurm, tmp_path):
+    out, save = tmp_path / "job.out", tmp_path / "ckpt"
+    job = _submit(slurm, out, _args(save, 150, *SLOW))
+    _wait_for_line(out, r"iteration\s+10/")
+    subprocess.run(["scontrol", "requeue", job], env=slurm, check=True)
+    info = _wait_ended(slurm, job, out)
+    text = out.read_text()
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), text[-3000:]
+    # Slurm requeued it; the script saw that and did not requeue it a second time.
+    assert "already requeued by Slurm" in text and "requeueing job" not in text
+    _assert_resumed_where_it_saved(text, 150)
+
+
+def test_scancel_mid_run_saves_within_the_grace_and_the_job_stays_cancelled(slurm, tmp_path):
+    out, save = tmp_path / "job.out", tmp_path / "ckpt"
+    job = _submit(slurm, out, _args(save, 400, *SLOW))
+    _wait_for_line(out, r"iteration\s+10/")
+    subprocess.run(["scancel", job], env=slurm, check=True)
+    info = _wait_ended(slurm, job, out)
+    # A requeue would show after the credential lifetime (cred_expire=10) as PENDING, then RUNNING.
+    time.sleep(12)
+    info = _job(slurm, job)
+    text = out.read_text()
+    assert (info["JobState"], info["Restarts"]) == ("CANCELLED", "0"), text[-3000:]
+    assert "not requeueing: Slurm shows job" in text and "requeueing job" not in text
+    trained = sorted(launch.losses(text))
+    assert _saved(text) == [trained[-1]]  # KillWait (30 s) was enough to save what was trained
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == str(trained[-1])
+
+
+@pytest.mark.parametrize("case", ["bad-argument", "nothing-to-load", "no-checkout", "no-torch"])
+def test_a_job_that_would_fail_again_is_not_requeued(slurm, tmp_path, case):
+    out, save = tmp_path / "job.out", tmp_path / "ckpt"
+    args, env, code = _args(save, 10), {}, 2
+    if case == "bad-argument":
+        args += ["--micro-batch-size", "0"]
+    elif case == "nothing-to-load":
+        args += ["--exit-on-missing-checkpoint"]
+        code = 3
+    elif case == "no-checkout":
+        env = {"RESIL_ROOT": str(tmp_path / "not-the-checkout")}
+    else:
+        env = {"RESIL_PYTHON": "/usr/bin/python3"}  # Debian's python: no torch
+    job = _submit(slurm, out, args, **env)
+    info = _wait_ended(slurm, job, out)
+    text = out.read_text()
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("FAILED", f"{code}:0", "0"), text
+    assert "Traceback" not in text and "requeueing job" not in text
+    if case == "nothing-to-load":
+        assert "stop 3: nothing loadable under --load" in text
+    else:  # one line that says what to fix
+        lines = [line for line in text.splitlines() if line.strip()]
+        assert len(lines) == 1, lines
+        assert {"bad-argument": "--micro-batch-size", "no-checkout": "RESIL_ROOT",
+                "no-torch": "RESIL_PYTHON"}[case] in lines[0]
+    assert not save.exists() or not list(save.glob("iter_*"))
+
+
+def _workers(save: Path) -> dict[int, int]:
+    """{local rank: pid} of the pretrain.py ranks of the run saving to `save` (not its launcher)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        # The launcher runs `pretrain.py` too, in its arguments, but has no LOCAL_RANK.
+        if any(a.endswith(b"pretrain.py") for a in argv) and str(save).encode() in argv:
+            rank = [v for v in environ if v.startswith(b"LOCAL_RANK=")]
+            if rank:
+                found[int(rank[0].split(b"=")[1])] = int(entry.name)
+    return found
+
+
+def test_enable_ft_package_under_the_script_restarts_a_frozen_rank_inside_the_job(slurm, tmp_path):
+    out, save = tmp_path / "job.out", tmp_path / "ckpt"
+    ft_args = ("--ft-rank-section-timeouts setup:120,step:6,checkpointing:120 "
+               "--ft-rank-out-of-section-timeout 60 --ft-workload-check-interval 0.5")
+    job = _submit(slurm, out, [*_args(save, 60, *SLOW), "--enable-ft-package", "--save-interval", "5"],
+                  MAX_RESTARTS="1", FT_LAUNCHER_ARGS=ft_args)
+    _wait_for_line(out, r"iteration\s+8/")
+    workers = _workers(save)
+    assert sorted(workers) == [0, 1], workers
+    os.kill(workers[1], signal.SIGSTOP)
+    info = _wait_ended(slurm, job, out)
+    text = out.read_text()
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), text[-4000:]
+    assert "Section 'step' has been open" in text  # the rank monitor inside the job saw the hang
+    assert "[resil] restart: worker group restart 1 of at most 1" in text
+    assert "stop 0: training finished at iteration 60" in text
