@@ -8,7 +8,8 @@ rendezvous); at the time limit the warning signal makes the ranks save the itera
 job requeues itself and the next attempt resumes from exactly there; `scontrol requeue` does the same
 through Slurm; `scancel` lets the ranks save and the job stays CANCELLED; bad arguments (2) and nothing
 to load (3) end the job without a requeue, as does a project root or Python that cannot run; under
---enable-ft-package a frozen rank is caught by ft_launcher inside the job and the job still finishes.
+--enable-ft-package a frozen rank is caught by ft_launcher inside the job and the job still finishes; on
+two "nodes" (two slurmd on this host) srun starts one launcher per node and they meet on the first node.
 """
 
 from __future__ import annotations
@@ -35,16 +36,14 @@ ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEM
 SLOW = ["--inject-fault", "slow", "--inject-fault-iteration", "1", "--inject-fault-slow-secs", "0.1"]
 
 
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory) -> dict[str, str]:
-    """The clients' environment of a single-node Slurm that lives as long as this module."""
+def _cluster(tmp_path_factory, nodes: int):
     try:
         local_slurm.install()
     except local_slurm.SlurmUnavailable as e:
         pytest.skip(f"no Slurm: {e}")
-    directory = tmp_path_factory.mktemp("slurm")
+    directory = tmp_path_factory.mktemp(f"slurm{nodes}")
     try:
-        env = local_slurm.start(directory)
+        env = local_slurm.start(directory, nodes=nodes)
     except local_slurm.SlurmUnavailable as e:
         pytest.skip(f"Slurm does not start here: {e}")
     yield env
@@ -53,6 +52,18 @@ def slurm(tmp_path_factory) -> dict[str, str]:
     while _queue(env) and time.monotonic() < deadline:
         time.sleep(0.5)
     local_slurm.stop(directory)
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory) -> dict[str, str]:
+    """The clients' environment of a single-node Slurm that lives as long as this module."""
+    yield from _cluster(tmp_path_factory, nodes=1)
+
+
+@pytest.fixture(scope="module")
+def slurm_two_nodes(tmp_path_factory) -> dict[str, str]:
+    """Two nodes on this host: two slurmd, node1 and node2, each with its own port and spool."""
+    yield from _cluster(tmp_path_factory, nodes=2)
 
 
 def _queue(env) -> str:
@@ -255,3 +266,18 @@ def test_enable_ft_package_under_the_script_restarts_a_frozen_rank_inside_the_jo
     assert "Section 'step' has been open" in text  # the rank monitor inside the job saw the hang
     assert "[resil] restart: worker group restart 1 of at most 1" in text
     assert "stop 0: training finished at iteration 60" in text
+
+
+def test_two_nodes_one_launcher_each_rendezvous_on_the_first_node(slurm_two_nodes, tmp_path):
+    out, save = tmp_path / "job.out", tmp_path / "ckpt"
+    job = _submit(slurm_two_nodes, out, _args(save, 10), ("--time=10", "--nodes=2"), NPROC_PER_NODE="1")
+    info = _wait_ended(slurm_two_nodes, job, out)
+    text = out.read_text()
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), text[-3000:]
+    # One ft_launcher per node (srun), both in one rendezvous on node1's address: a world of two.
+    assert "2 nodes x 1, rendezvous on 127.0.0.1:" in text
+    joined = re.findall(r"\[ft_launcher(\d+)@\S+\] The node '\S+' has joined round 0 .* as rank (\d) in a "
+                        r"world of size 2", text)
+    assert len({pid for pid, _ in joined}) == 2 and sorted(rank for _, rank in joined) == ["0", "1"], joined
+    assert sorted(launch.losses(text)) == list(range(1, 11))
+    assert "stop 0: training finished at iteration 10" in text

@@ -5,8 +5,9 @@ stopped by their PIDs.
     python -m megatron_resil.tools.local_slurm start DIR [--install]   # prints `export SLURM_CONF=...`
     python -m megatron_resil.tools.local_slurm stop DIR
 
-Everything Slurm writes (state, spool, logs, pid files) stays under DIR; the daemons listen on two free
-ports, so two of these can run side by side. No munge: `AuthType=auth/none` with `CredType=cred/none`,
+Everything Slurm writes (state, spool, logs, pid files) stays under DIR; the daemons listen on free
+ports, so two of these can run side by side. `--nodes N` starts N slurmd on this host (node1..nodeN,
+each with its own port and spool): enough for a multi-node job's srun, one launcher per "node". No munge: `AuthType=auth/none` with `CredType=cred/none`,
 which is only acceptable on a machine nobody else can reach. `--install` installs the Debian packages
 (`slurmctld slurmd slurm-client`, no recommends) when they are missing and this process may (root).
 
@@ -32,7 +33,6 @@ import time
 from pathlib import Path
 
 PACKAGES = ("slurmctld", "slurmd", "slurm-client")
-DAEMONS = ("slurmctld", "slurmd")
 
 
 class SlurmUnavailable(RuntimeError):
@@ -69,13 +69,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_config(directory: Path, cpus: int | None = None) -> Path:
-    """slurm.conf for one node named after this host, everything under `directory`."""
+def node_names(nodes: int) -> list[str]:
+    """One node: this host's name. More: node1..nodeN, each its own slurmd on this host (`slurmd -N`)."""
+    if nodes == 1:
+        return [socket.gethostname().split(".")[0]]
+    return [f"node{i}" for i in range(1, nodes + 1)]
+
+
+def write_config(directory: Path, cpus: int | None = None, nodes: int = 1) -> Path:
+    """slurm.conf for `nodes` nodes on this host, everything under `directory`."""
     directory = directory.resolve()
-    for sub in ("state", "spool"):
-        (directory / sub).mkdir(parents=True, exist_ok=True)
+    (directory / "state").mkdir(parents=True, exist_ok=True)
     host = socket.gethostname().split(".")[0]
     cpus = cpus or os.cpu_count() or 1
+    names = node_names(nodes)
+    for name in names:
+        (directory / f"spool-{name}").mkdir(exist_ok=True)
+    # Several slurmd on one host tell themselves apart by node name (%n) and port.
+    node_lines = [f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={_free_port()} CPUs={cpus} "
+                  "State=UNKNOWN" for name in names]
     conf = directory / "slurm.conf"
     conf.write_text("\n".join([
         "ClusterName=resil",
@@ -86,13 +98,12 @@ def write_config(directory: Path, cpus: int | None = None) -> Path:
         "CredType=cred/none",
         "AuthInfo=cred_expire=10",
         f"SlurmctldPort={_free_port()}",
-        f"SlurmdPort={_free_port()}",
         f"StateSaveLocation={directory / 'state'}",
-        f"SlurmdSpoolDir={directory / 'spool'}",
+        f"SlurmdSpoolDir={directory / 'spool-%n'}",
         f"SlurmctldPidFile={directory / 'slurmctld.pid'}",
-        f"SlurmdPidFile={directory / 'slurmd.pid'}",
+        f"SlurmdPidFile={directory / 'slurmd-%n.pid'}",
         f"SlurmctldLogFile={directory / 'slurmctld.log'}",
-        f"SlurmdLogFile={directory / 'slurmd.log'}",
+        f"SlurmdLogFile={directory / 'slurmd-%n.log'}",
         "ProctrackType=proctrack/linuxproc",
         "TaskPlugin=task/none",
         "SelectType=select/cons_tres",
@@ -105,8 +116,9 @@ def write_config(directory: Path, cpus: int | None = None) -> Path:
         "MinJobAge=3600",
         "SlurmctldTimeout=30",
         "SlurmdTimeout=30",
-        f"NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN",
-        f"PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4",
+        *node_lines,
+        f"PartitionName=debug Nodes={','.join(names)} Default=YES MaxTime=INFINITE State=UP "
+        "OverSubscribe=FORCE:4",
         "",
     ]))
     return conf
@@ -116,9 +128,13 @@ def client_env(directory: Path) -> dict[str, str]:
     return {**os.environ, "SLURM_CONF": str(directory.resolve() / "slurm.conf")}
 
 
-def _pid(directory: Path, daemon: str) -> int | None:
+def _pid_files(directory: Path) -> list[Path]:
+    return [directory / "slurmctld.pid", *sorted(directory.glob("slurmd-*.pid"))]
+
+
+def _pid(path: Path) -> int | None:
     try:
-        return int((directory / f"{daemon}.pid").read_text().strip())
+        return int(path.read_text().strip())
     except (OSError, ValueError):
         return None
 
@@ -133,28 +149,29 @@ def _alive(pid: int | None) -> bool:
     return True
 
 
-def start(directory: Path, cpus: int | None = None, timeout: float = 30.0) -> dict[str, str]:
-    """Start slurmctld and slurmd for `directory` and wait until the node takes jobs; the clients' env."""
+def start(directory: Path, cpus: int | None = None, nodes: int = 1, timeout: float = 30.0) -> dict[str, str]:
+    """Start slurmctld and one slurmd per node for `directory` and wait until every node takes jobs;
+    the clients' environment."""
     directory = directory.resolve()
-    conf = write_config(directory, cpus)
+    conf = write_config(directory, cpus, nodes)
     env = client_env(directory)
     # -c: start from a clean state (no jobs of an earlier cluster in this directory).
-    for daemon, extra in (("slurmctld", ["-c", "-i"]), ("slurmd", ["-c"])):
-        done = subprocess.run([daemon, "-f", str(conf), *extra], env=env, capture_output=True, text=True,
-                              timeout=60)
+    commands = [["slurmctld", "-c", "-i"], *(["slurmd", "-c", "-N", name] for name in node_names(nodes))]
+    for command in commands:
+        done = subprocess.run([command[0], "-f", str(conf), *command[1:]], env=env, capture_output=True,
+                              text=True, timeout=60)
         if done.returncode != 0:
             stop(directory)
-            raise SlurmUnavailable(f"{daemon} did not start: {(done.stderr or done.stdout).strip()[-300:]}")
+            raise SlurmUnavailable(f"{command[0]} did not start: {(done.stderr or done.stdout).strip()[-300:]}")
     deadline = time.monotonic() + timeout
     state = ""
     while time.monotonic() < deadline:
-        got = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True)
+        got = subprocess.run(["sinfo", "-h", "-o", "%D %T"], env=env, capture_output=True, text=True)
         state = got.stdout.strip()
-        if got.returncode == 0 and state.startswith("idle"):
+        if got.returncode == 0 and state == f"{nodes} idle":
             return env
         time.sleep(0.3)
-    logs = "".join((directory / f"{d}.log").read_text(errors="replace")[-400:]
-                   for d in DAEMONS if (directory / f"{d}.log").exists())
+    logs = "".join(p.read_text(errors="replace")[-400:] for p in sorted(directory.glob("slurm*.log")))
     stop(directory)
     raise SlurmUnavailable(f"the node did not become idle within {timeout:.0f} s (state {state!r}): {logs}")
 
@@ -162,7 +179,7 @@ def start(directory: Path, cpus: int | None = None, timeout: float = 30.0) -> di
 def stop(directory: Path, timeout: float = 15.0) -> None:
     """Stop the daemons of `directory` by their PIDs (SIGTERM, then SIGKILL)."""
     directory = directory.resolve()
-    pids = [p for p in (_pid(directory, d) for d in DAEMONS) if _alive(p)]
+    pids = [p for p in map(_pid, _pid_files(directory)) if _alive(p)]
     for pid in pids:
         os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
@@ -179,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("action", choices=("start", "stop"))
     parser.add_argument("dir", type=Path, help="where slurm.conf, state, spool and logs go")
     parser.add_argument("--install", action="store_true", help="apt-get install Slurm when it is missing")
-    parser.add_argument("--cpus", type=int, default=None, help="CPUs of the node (default: this machine's)")
+    parser.add_argument("--cpus", type=int, default=None, help="CPUs of each node (default: this machine's)")
+    parser.add_argument("--nodes", type=int, default=1,
+                        help="nodes, each its own slurmd on this host (more than 1: named node1..nodeN)")
     args = parser.parse_args(argv)
     try:
         if args.action == "stop":
@@ -189,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
             install()
         elif missing_binaries():
             raise SlurmUnavailable(f"Slurm is not installed (missing {missing_binaries()}); pass --install")
-        env = start(args.dir, args.cpus)
+        env = start(args.dir, args.cpus, args.nodes)
     except SlurmUnavailable as e:
         print(f"local_slurm: {e}", file=sys.stderr)
         return 1
