@@ -289,30 +289,47 @@ class GlobalTier(CheckpointTier):
         return result
 
     def startup_cleanup(self) -> None:
+        """Rank 0 clears the debris of interrupted saves and deletions. A step that fails (an I/O error,
+        a leftover that is a mount point or of the wrong type) is logged and left in place, never
+        raised: every rank reaches the barrier, and no leftover is ever loaded."""
         if parallel.is_rank0():
             found = layout.leftovers(self.root)
             for path in found["displaced"]:
-                iteration = layout.displaced_iteration(path)
-                final = layout.iteration_dir(self.root, iteration)
+                final = layout.iteration_dir(self.root, layout.displaced_iteration(path))
                 if not os.path.exists(final):
                     # Died between the two renames of a non-atomic replace: put the old one back.
-                    os.rename(path, final)
-                    fsync_dir(self.root)
-                    events.decision("cleanup", f"restored {final} from interrupted replace {path}")
+                    _cleanup_step(f"restored {final} from interrupted replace {path}",
+                                  f"restore {final} from interrupted replace {path}",
+                                  lambda: (os.rename(path, final), fsync_dir(self.root)))
                 else:
-                    shutil.rmtree(path, ignore_errors=True)
-                    events.decision("cleanup", f"removed {path}: leftover of a completed replace")
+                    _cleanup_step(f"removed {path}: leftover of a completed replace",
+                                  f"remove {path} (leftover of a completed replace)", lambda: _rmtree(path))
             for path in found["deleting"]:
-                shutil.rmtree(path, ignore_errors=True)
-                events.decision("cleanup", f"removed {path}: interrupted retention deletion")
+                _cleanup_step(f"removed {path}: interrupted retention deletion",
+                              f"remove {path} (interrupted retention deletion)", lambda: _rmtree(path))
             for path in found["staging"]:
-                shutil.rmtree(path, ignore_errors=True)
-                events.decision("cleanup", f"removed {path}: leftover of a save interrupted before it "
-                                "was published; never loaded")
+                _cleanup_step(f"removed {path}: leftover of a save interrupted before it was published; "
+                              "never loaded", f"remove {path} (leftover of an interrupted save)",
+                              lambda: _rmtree(path))
             for path in found["tracker_tmp"]:
-                os.remove(path)
-                events.decision("cleanup", f"removed {path}: interrupted tracker update")
+                _cleanup_step(f"removed {path}: interrupted tracker update",
+                              f"remove {path} (interrupted tracker update)", lambda: os.remove(path))
         _barrier()
+
+
+def _rmtree(path: str) -> None:
+    shutil.rmtree(path)
+    if os.path.lexists(path):
+        raise OSError(f"{path} is still there")
+
+
+def _cleanup_step(done: str, failed: str, step) -> None:
+    try:
+        step()
+    except OSError as err:
+        events.decision("cleanup", f"could not {failed}: {err}; left in place (never loaded)")
+        return
+    events.decision("cleanup", done)
 
 
 def snapshot(sharded_state: dict) -> dict:

@@ -335,18 +335,29 @@ class LocalTier(CheckpointTier):
         return self._describe(iteration)
 
     def startup_cleanup(self) -> None:
-        removed = 0
-        names = {p.name for p in self.my_dir.iterdir() if p.is_file()} if self.my_dir.is_dir() else set()
+        removed, failures = 0, []
+        try:
+            names = {p.name for p in self.my_dir.iterdir() if p.is_file()} if self.my_dir.is_dir() else set()
+        except OSError as err:
+            names, failures = set(), [f"could not list {self.my_dir}: {err}"]
         for name in sorted(names):
             orphaned_manifest = name.endswith(MANIFEST_SUFFIX) and name[:-len(MANIFEST_SUFFIX)] not in names
             if ".dirty" in name or ".tmp." in name or orphaned_manifest:
-                (self.my_dir / name).unlink()
-                removed += 1
-        counts = parallel.all_gather_object(removed)
+                try:  # one rank's I/O error must not leave the others waiting in the gather below
+                    (self.my_dir / name).unlink()
+                    removed += 1
+                except OSError as err:
+                    failures.append(f"could not remove {self.my_dir / name}: {err}")
+        outcomes = parallel.all_gather_object((removed, failures))
+        counts = [count for count, _ in outcomes]
         if sum(counts):
             events.decision("cleanup", f"local tier: removed {sum(counts)} leftover(s) of interrupted "
                             "saves (.dirty shards, orphaned manifests); never loaded",
                             tier=self.name, per_rank=counts)
+        failed = [f"rank {rank}: {why}" for rank, (_, whys) in enumerate(outcomes) for why in whys]
+        if failed:
+            events.decision("cleanup", f"local tier: left {len(failed)} leftover(s) in place (never loaded): "
+                            + "; ".join(failed[:3]), tier=self.name)
 
 
 def describe(root: str, iteration: int) -> str:

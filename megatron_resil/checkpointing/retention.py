@@ -32,14 +32,22 @@ def apply_retention(root: str, keep_last: int | None, retain_interval: int | Non
     tracked = read_tracker(root).iteration
     protected = {tracked} if tracked is not None and tracked >= 0 else set()
     doomed = to_delete(layout.published_iterations(root), keep_last, retain_interval, protected)
+    deleted = []
     for iteration in doomed:
         path = layout.iteration_dir(root, iteration)
-        doomed_path = layout.new_deleting_dir(root, iteration)
-        os.rename(path, doomed_path)
-        fsync_dir(root)
-        shutil.rmtree(doomed_path, ignore_errors=True)
         reasons = [f"older than the newest {keep_last}" if keep_last else "not the newest"]
         if retain_interval:
             reasons.append(f"not a multiple of --save-retain-interval {retain_interval}")
+        try:
+            doomed_path = layout.new_deleting_dir(root, iteration)
+            os.rename(path, doomed_path)
+            fsync_dir(root)
+        except OSError as err:
+            # Rank 0 alone runs this, between collectives: raising would leave the other ranks waiting.
+            # A checkpoint kept too long costs space, never correctness; the next save tries again.
+            events.decision("retention", f"could not delete {path} ({' and '.join(reasons)}): {err}; kept")
+            continue
+        shutil.rmtree(doomed_path, ignore_errors=True)  # out of the iter_ namespace: debris at worst
         events.decision("retention", f"deleted {path}: {' and '.join(reasons)}")
-    return doomed
+        deleted.append(iteration)
+    return deleted
