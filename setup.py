@@ -24,6 +24,6 @@ setup(
     extras_require={
         "gpu": ["transformer-engine[pytorch]"],
         "tensorboard": ["tensorboard"],
-        "test": ["pytest>=8", "pytest-xdist>=3.5", "tensorboard", "ruff"],
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "tensorboard", "ruff", "fusepy>=3.0.1"],
     },
 )

@@ -6,6 +6,7 @@ and a load never diverges. Rank 0 logs one line per candidate with the verdict a
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -67,6 +68,50 @@ def newest_first(tiers: list[CheckpointTier], older_than: int | None = None):
 
 TemplateMaker = Callable[[TierCandidate, object, "dict | None"], dict]
 
+# An I/O error (EIO, ESTALE, a vanished file) while verifying or reading a candidate may be the storage's,
+# not the checkpoint's: every rank tries again together, after 1 s and 3 s, before the candidate is
+# skipped. It is never quarantined for that: an I/O error is no evidence that its bytes are bad.
+IO_RETRY_DELAYS_SECS = (1.0, 3.0)
+
+
+def _io_error(err: BaseException) -> str | None:
+    """The one-line I/O error behind `err`, or None when it is something else (bad data, a bug)."""
+    cause = _root_cause(err)
+    if isinstance(cause, OSError) and not isinstance(cause, (CheckpointDataError, CheckpointFormatError)):
+        return _one_line(cause)
+    return None
+
+
+def _retrying_io_errors(step: Callable[[], object], where: str, doing: str):
+    """Run `step` on every rank; while any rank met an I/O error, all run it again after a delay.
+    Returns (result of this rank's step, None) or (None, the I/O errors summarised) when retries ran out.
+    One collective per attempt, so no rank waits for another."""
+    for attempt, delay in enumerate((*IO_RETRY_DELAYS_SECS, None), start=1):
+        try:
+            result, io_error = step(), None
+        except (Exception, CheckpointException) as err:  # noqa: BLE001 - anything else goes back to the caller
+            io_error = _io_error(err)
+            if io_error is None:
+                raise
+            result = None
+        errors = parallel.all_gather_object(io_error)
+        if not any(errors):
+            return result, None
+        if delay is None:
+            return None, _summarise(errors)
+        events.decision("load", f"I/O error while {doing} {where} ({_summarise(errors)}); trying again in "
+                        f"{delay:g} s (attempt {attempt + 1} of {len(IO_RETRY_DELAYS_SECS) + 1})",
+                        verdict="retry", reason=_summarise(errors))
+        time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
+def _skip_after_io_errors(where: str, candidate: TierCandidate, why: str) -> None:
+    events.decision("load", f"skipped {where}: I/O errors persisted through {len(IO_RETRY_DELAYS_SECS) + 1} "
+                    f"attempts ({why}); not quarantined, an I/O error says nothing about its bytes",
+                    verdict="skipped", tier=candidate.tier, iteration=candidate.iteration,
+                    path=candidate.path, reason=why)
+
 
 def load_first_verified(tiers: list[CheckpointTier], make_template: TemplateMaker,
                         older_than: int | None = None) -> LoadResult | None:
@@ -75,10 +120,18 @@ def load_first_verified(tiers: list[CheckpointTier], make_template: TemplateMake
     metadata)` builds what the candidate is loaded into."""
     for tier, candidate in newest_first(tiers, older_than):
         where = f"{candidate.tier} iteration {candidate.iteration} ({candidate.path})"
-        try:  # an error on one rank must not leave the others waiting in the agreement below
-            reason = tier.verify(candidate)
-        except Exception as err:  # noqa: BLE001 - reported as this rank's finding
-            reason = f"could not be verified ({_one_line(err)})"
+        def verify(tier=tier, candidate=candidate) -> str | None:
+            try:  # an error on one rank must not leave the others waiting in the agreement below
+                return tier.verify(candidate)
+            except Exception as err:  # noqa: BLE001 - reported as this rank's finding
+                if _io_error(err) is not None:
+                    raise
+                return f"could not be verified ({_one_line(err)})"
+
+        reason, io_failure = _retrying_io_errors(verify, where, "verifying")
+        if io_failure is not None:
+            _skip_after_io_errors(where, candidate, io_failure)
+            continue
         if not parallel.all_ranks_agree(reason is None):
             reasons = parallel.all_gather_object(reason)
             why = _summarise(reasons)
@@ -90,20 +143,27 @@ def load_first_verified(tiers: list[CheckpointTier], make_template: TemplateMake
                             iteration=candidate.iteration, path=candidate.path, reason=why)
             tier.quarantine(candidate, why)
             continue
-        try:
-            template = make_template(candidate, tier.saved_args(candidate), tier.saved_metadata(candidate))
-            state = tier.load(candidate, template)
-            failure = None
-        # Reported collectively below, so no rank is left waiting. torch's DCP raises
-        # CheckpointException, a BaseException, around the error of each rank.
-        except (Exception, CheckpointException) as err:
-            cause = _root_cause(err)
-            if isinstance(cause, CheckpointDataError):  # bad data found while reading: as verification
-                state, failure = None, ("data", _one_line(cause))
-            elif isinstance(cause, CheckpointFormatError):  # the same on every rank: common.pt is shared
-                state, failure = None, ("format", str(cause))
-            else:
-                state, failure = None, ("model", _one_line(cause))
+        def load(tier=tier, candidate=candidate):
+            try:
+                template = make_template(candidate, tier.saved_args(candidate), tier.saved_metadata(candidate))
+                return tier.load(candidate, template), None
+            # Reported collectively below, so no rank is left waiting. torch's DCP raises
+            # CheckpointException, a BaseException, around the error of each rank.
+            except (Exception, CheckpointException) as err:
+                if _io_error(err) is not None:
+                    raise
+                cause = _root_cause(err)
+                if isinstance(cause, CheckpointDataError):  # bad data found while reading: as verification
+                    return None, ("data", _one_line(cause))
+                if isinstance(cause, CheckpointFormatError):  # the same on every rank: common.pt is shared
+                    return None, ("format", str(cause))
+                return None, ("model", _one_line(cause))
+
+        loaded, io_failure = _retrying_io_errors(load, where, "reading")
+        if io_failure is not None:
+            _skip_after_io_errors(where, candidate, io_failure)
+            continue
+        state, failure = loaded
         if not parallel.all_ranks_agree(failure is None):
             failures = parallel.all_gather_object(failure)
             if any(f is not None and f[0] == "data" for f in failures):
