@@ -88,3 +88,15 @@ def start_ft(args: list[str], log_path: Path, nproc: int = 2, max_restarts: int 
 def losses(output: str) -> dict[int, tuple[str, str]]:
     """iteration -> (lm loss, grad norm) as printed, so comparisons are exact to the printed digits."""
     return {int(m.group(1)): (m.group(2), m.group(3)) for m in _LOSS_LINE.finditer(output)}
+
+
+def mount_tmpfs(directory: Path, options: str) -> None:
+    """Mount a real tmpfs (e.g. options "size=16m,nr_inodes=400") at `directory`, which is created, or
+    skip the test where that is impossible (it needs root). Unmount with `umount -l`."""
+    import pytest
+
+    directory.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(directory)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")

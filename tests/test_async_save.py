@@ -107,7 +107,7 @@ def _strike_workers(proc: subprocess.Popen, signals: list[int], struck: list) ->
 
 
 @pytest.mark.parametrize("sig,expected", [
-    (signal.SIGSTOP, "did not finish within --async-save-timeout-secs 8 and was killed"),
+    (signal.SIGSTOP, "--async-save-timeout-secs 8 and was killed"),  # before or after its start-up
     (signal.SIGKILL, "died, exit code -9"),
 ], ids=["stuck-worker", "killed-worker"])
 def test_a_stuck_or_dead_worker_is_reported_and_training_continues(tmp_path, sig, expected):

@@ -22,11 +22,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture
 def small_disk(tmp_path):
     disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m,nr_inodes=400", "tmpfs", str(disk)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
+    launch.mount_tmpfs(disk, "size=16m,nr_inodes=400")
     yield disk
     subprocess.run(["umount", "-l", str(disk)], check=False)
 

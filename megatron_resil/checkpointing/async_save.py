@@ -65,6 +65,11 @@ def _worker_loop(trainer_pid: int, requests, results) -> None:
         del item, work_args
 
 
+# A new worker imports torch and megatron-core before it takes its first save: seconds, or tens of seconds
+# on a loaded machine. That start-up is bounded apart, so --async-save-timeout-secs bounds the writing.
+WORKER_STARTUP_GRACE_SECS = 120.0
+
+
 class WriterProcess:
     """This rank's persistent worker, started on first use and restarted after a failure."""
 
@@ -176,8 +181,13 @@ class AsyncSaves:
             return self._verdict
         status, payload = self.worker.poll(self.pending.tag)
         ready = self.worker.ready_at
-        clock = max(self.pending.started, ready) if ready is not None else self.worker.started_at
-        if status == "running" and time.monotonic() - clock > self.timeout_secs:
+        if status == "running" and ready is None and \
+                time.monotonic() - self.worker.started_at > self.timeout_secs + WORKER_STARTUP_GRACE_SECS:
+            self.worker.kill()
+            status, payload = "failed", (f"the worker did not start within {WORKER_STARTUP_GRACE_SECS:g} s "
+                                         f"plus --async-save-timeout-secs {self.timeout_secs:g} and was killed")
+        elif status == "running" and ready is not None and \
+                time.monotonic() - max(self.pending.started, ready) > self.timeout_secs:
             self.worker.kill()
             status, payload = "failed", (f"the worker did not finish within --async-save-timeout-secs "
                                          f"{self.timeout_secs:g} and was killed")

@@ -1,0 +1,257 @@
+"""Chaos: one run of 4 ranks under the launcher users use (scripts/run_local.sh: ft_launcher with in-job
+restarts, and requeues, as pretrain.sbatch on one machine), hit by at least 8 external faults of mixed
+kinds in a random order, each after the run has made progress again since the last one:
+
+    kill -9 of a rank, kill -9 of the launcher, SIGSTOP of a rank, SIGTERM to the job (preemption),
+    the save disk filled to the last byte, the newest checkpoint corrupted (a flipped byte) and a
+    checkpoint whose .metadata is a pickle that would run a command, each of the last two followed by
+    a kill -9 so the ranks must load again; and a NaN loss injected in-process.
+
+It must finish with exit 0 at --train-iters, with every published checkpoint verifying, the pickle never
+run, no process of the run left behind; it reports goodput: useful iterations per second against the
+same run without faults. Marked `chaos` (a few minutes; CI deselects it, see scripts/test.sh):
+
+    bash scripts/test.sh -m chaos -s          # CHAOS_SEED=N to replay an order
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests import launch
+
+pytestmark = [pytest.mark.slow, pytest.mark.chaos]
+
+RUN_LOCAL = str(launch.REPO / "scripts" / "run_local.sh")
+TRAIN_ITERS = 400
+FAULTS = ["kill-rank", "kill-rank", "kill-launcher", "sigstop-rank", "sigterm-job", "sigterm-job",
+          "full-disk", "corrupt-newest", "planted-pickle"]
+FT_ARGS = ("--ft-rank-section-timeouts setup:180,step:6,checkpointing:120 --ft-rank-out-of-section-timeout 120 "
+           "--ft-workload-check-interval 0.5")
+
+
+def _args(save: Path) -> list[str]:
+    return [*launch.TINY_MODEL, *launch.TINY_TRAINING, "--log-interval", "5", "--train-iters", str(TRAIN_ITERS),
+            "--save", str(save), "--load", str(save), "--save-interval", "5", "--ckpt-keep-last", "3",
+            "--exit-signal-handler", "--enable-ft-package", "--rerun-mode", "validate_results",
+            "--inject-fault", "nan-loss", "--inject-fault-iteration", "50", "--inject-fault-ranks", "1"]
+
+
+def _start(save: Path, log: Path) -> subprocess.Popen:
+    env = {**launch.env(), "RESIL_PYTHON": sys.executable, "NPROC_PER_NODE": "4", "MAX_RESTARTS": "8",
+           "MAX_REQUEUES": "8", "FT_LAUNCHER_ARGS": FT_ARGS}
+    return subprocess.Popen(["bash", RUN_LOCAL, *_args(save)], env=env, cwd=launch.REPO,
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _processes_of(save: Path) -> dict[str, list[int]]:
+    """The run's live processes by role: its ranks, its launcher(s), anything else naming --save."""
+    found: dict[str, list[int]] = {"ranks": [], "launcher": [], "other": []}
+    needle = str(save).encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = (entry / "environ").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if needle not in argv or state == "Z":
+            continue
+        if any(b"fault_tolerance.launcher" in a for a in argv):
+            found["launcher"].append(int(entry.name))
+        elif b"LOCAL_RANK=" in environ and any(a.endswith(b"pretrain.py") for a in argv):
+            found["ranks"].append(int(entry.name))
+        elif not any(a.endswith(b"run_local.sh") for a in argv):
+            found["other"].append(int(entry.name))
+    return found
+
+
+def _events(save: Path) -> list[dict]:
+    try:
+        lines = (save / "events.jsonl").read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def _iteration(save: Path) -> int:
+    return max((e.get("iteration", 0) for e in _events(save) if e["event"] == "progress"), default=0)
+
+
+def _newest_iteration_dir(save: Path) -> Path | None:
+    dirs = sorted(p for p in save.glob("iter_*") if p.is_dir())
+    return dirs[-1] if dirs else None
+
+
+class _Exploit:
+    """Unpickling this runs `touch <marker>`."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _fill(disk: Path) -> None:
+    fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        for size in (1 << 20, 65536, 4096, 1):
+            while True:
+                os.write(fd, b"\0" * size)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _kill_a_rank(save: Path, rng: random.Random, sig=signal.SIGKILL) -> None:
+    ranks = _processes_of(save)["ranks"]
+    if ranks:
+        os.kill(rng.choice(ranks), sig)
+
+
+def _inject(fault: str, proc, save: Path, disk: Path, marker: Path, rng: random.Random) -> str:
+    """Inject one fault; returns what was done, for the log."""
+    if fault == "kill-rank":
+        _kill_a_rank(save, rng)
+    elif fault == "sigstop-rank":
+        _kill_a_rank(save, rng, signal.SIGSTOP)
+    elif fault == "kill-launcher":
+        for pid in _processes_of(save)["launcher"]:
+            os.kill(pid, signal.SIGKILL)
+    elif fault == "sigterm-job":
+        os.kill(proc.pid, signal.SIGTERM)  # Slurm's warning signal to the batch script
+    elif fault == "full-disk":
+        _fill(disk)
+        # Until a save fails (exit 4, requeued), then room again for the next attempt.
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and proc.poll() is None:
+            if any(e["event"] == "exit" and e.get("exit_code") == 4 for e in _events(save)[-20:]):
+                break
+            time.sleep(0.2)
+        (disk / "filler").unlink()
+    elif fault == "corrupt-newest":
+        newest = _newest_iteration_dir(save)
+        shard = max((p for p in newest.iterdir() if p.suffix == ".distcp"), key=lambda p: p.stat().st_size)
+        with open(shard, "r+b") as f:
+            f.seek(shard.stat().st_size // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        _kill_a_rank(save, rng)  # the restarted ranks must load it
+        return f"{fault} ({shard.relative_to(save)})"
+    elif fault == "planted-pickle":
+        newest = _newest_iteration_dir(save)
+        planted = save / f"iter_{int(newest.name[5:]) + 1:07d}"
+        planted.mkdir()
+        (planted / ".metadata").write_bytes(pickle.dumps(_Exploit(marker)))
+        (planted / "common.pt").write_bytes(b"")
+        _kill_a_rank(save, rng)
+        return f"{fault} ({planted.name})"
+    return fault
+
+
+def _wait_for_progress(proc, save: Path, since_iteration: int, since: float, timeout: float = 180) -> None:
+    """Until the run trains again after a fault: a progress record past both marks."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the job ended before the chaos was over"
+        if any(e["event"] == "progress" and e.get("unix", 0) > since and e["iteration"] >= since_iteration
+               for e in _events(save)[-50:]):
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"no progress within {timeout} s")
+
+
+@pytest.fixture
+def save_disk(tmp_path):
+    disk = tmp_path / "disk"
+    launch.mount_tmpfs(disk, "size=64m")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def _run_to_end(proc, save: Path, timeout: float) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            for pids in _processes_of(save).values():
+                for pid in pids:
+                    os.kill(pid, signal.SIGKILL)
+
+
+def test_chaos_run_finishes_with_every_checkpoint_verifying_and_reports_goodput(save_disk, tmp_path):
+    seed = int(os.environ.get("CHAOS_SEED", random.randrange(1 << 30)))
+    rng = random.Random(seed)
+    faults = FAULTS[:]
+    rng.shuffle(faults)
+    print(f"\nchaos seed {seed}: {' '.join(faults)}")
+
+    # The same run without faults, for goodput (its own disk: a tmpfs too, the same speed).
+    reference_save, reference_log = save_disk / "reference", tmp_path / "reference.log"
+    started = time.monotonic()
+    assert _run_to_end(_start(reference_save, reference_log), reference_save, 600) == 0, \
+        reference_log.read_text()[-3000:]
+    reference_secs = time.monotonic() - started
+    subprocess.run(["rm", "-rf", str(reference_save)], check=True)
+
+    save, log, marker = save_disk / "ckpt", tmp_path / "chaos.log", tmp_path / "PICKLE_RAN"
+    started = time.monotonic()
+    proc = _start(save, log)
+    done = []
+    try:
+        _wait_for_progress(proc, save, 10, 0)
+        for fault in faults:
+            at = _iteration(save)
+            if at >= TRAIN_ITERS - 40:
+                break
+            done.append(_inject(fault, proc, save, save_disk, marker, rng))
+            print(f"  {time.monotonic() - started:6.1f} s, iteration {at}: {done[-1]}")
+            _wait_for_progress(proc, save, at + 10, time.time())
+        code = _run_to_end(proc, save, 900)
+    finally:
+        if proc.poll() is None:
+            _run_to_end(proc, save, 0.1)
+    chaos_secs = time.monotonic() - started
+    out = log.read_text()
+    assert len(done) >= 8, f"only {len(done)} faults before the end: {done}"
+    assert code == 0, out[-5000:]
+    assert "stop 0: training finished at iteration 400" in out
+    assert not marker.exists(), "the planted pickle ran"
+    time.sleep(1)
+    assert _processes_of(save) == {"ranks": [], "launcher": [], "other": []}, "a process of the run survived"
+    for iteration_dir in sorted(save.glob("iter_*")):  # what is published verifies; the rest was quarantined
+        verified = subprocess.run([sys.executable, "-m", "megatron_resil.tools.ckpt", "verify", str(save),
+                                   "--iteration", str(int(iteration_dir.name[5:]))], env=launch.env(),
+                                  capture_output=True, text=True, timeout=120)
+        assert verified.returncode == 0, verified.stdout + verified.stderr
+    planner = subprocess.run([sys.executable, "-m", "megatron_resil.tools.goodput", str(save)],
+                             env=launch.env(), capture_output=True, text=True, timeout=120)
+    assert planner.returncode == 0, planner.stderr
+    goodput = reference_secs / chaos_secs
+    print(f"chaos: {len(done)} faults, {chaos_secs:.0f} s against {reference_secs:.0f} s without faults: "
+          f"goodput {goodput:.2f} (useful iterations per second, against the fault-free run)")
+    print(planner.stdout)
+    restarts = [e for e in _events(save) if e["event"] == "start"]
+    print(f"attempts (starts of the ranks): {len(restarts)}")
