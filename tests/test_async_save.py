@@ -4,6 +4,8 @@ bounded time, its save dropped, and training goes on with the next save."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import shutil
 import signal
@@ -48,6 +50,15 @@ def test_async_checkpoints_are_published_atomically_and_resume_exactly(tmp_path)
         assert f"successfully saved non-persistent checkpoint from iteration {iteration:7d}" in full.stdout
     assert layout.published_iterations(str(root)) == [6, 4, 2]
     assert layout.published_iterations(str(np_dir)) == [5]  # only the newest is kept
+    # Each background save says what it cost the trainer, by part, and what its write cost the worker.
+    published = [json.loads(line) for line in (root / "events.jsonl").read_text().splitlines()
+                 if '"save_published"' in line]
+    background = [e for e in published if e.get("asynchronous")]
+    assert {e["iteration"] for e in background} == {1, 2, 3, 4, 5, 6}, published
+    for e in background:
+        assert set(e["blocking_parts"]) == {"prepare", "stage", "wait", "finalize"}, e
+        assert math.isclose(e["blocking_seconds"], sum(e["blocking_parts"].values()), abs_tol=0.01), e
+        assert 0 < e["blocking_seconds"] <= e["seconds"] and e["worker_cpu_seconds"] > 0, e
     assert not any(layout.leftovers(str(root)).values()) and not any(layout.leftovers(str(np_dir)).values())
     check = _verify(root)
     assert check.returncode == 0 and check.stdout.count(": ok (sizes and checksums") == 3, check.stdout

@@ -131,3 +131,22 @@ def test_young_single_tier_optimum_matches_the_simulation():
     best = max(sim(plan.global_interval_s * f) for f in (0.3, 0.5, 0.7, 1.0, 1.4, 2.0, 3.3))
     assert at_optimum >= best - 0.003
     assert abs(at_optimum - plan.goodput) < 0.01
+
+
+def test_an_async_save_is_charged_its_blocking_part_only():
+    """A synchronous save blocks training for all its seconds; an async one for what the trainer spent
+    on it (`blocking_seconds`), its background write overlapping training."""
+    def event(at, name, **fields):
+        return {"event": name, "unix": at, "time": "", "host": "h", "pid": 1, **fields}
+
+    log = [event(0.0, "start", world_size=2, train_iters=20),
+           *[event(1.0 + i, "progress", iteration=i) for i in range(1, 6)],
+           event(6.0, "save_published", tier="persistent", iteration=5, seconds=3.0, asynchronous=True,
+                 blocking_seconds=0.25, blocking_parts={"prepare": 0.05, "stage": 0.2, "wait": 0, "finalize": 0}),
+           event(9.0, "save_published", tier="persistent", iteration=8, seconds=2.0),
+           event(10.0, "finished", iteration=8, exit_code=0)]
+    for seq, e in enumerate(log):
+        e["_seq"] = seq  # as timeline.read_events numbers them
+    measured = goodput.measure(log)
+    assert measured.total.saving_s == pytest.approx(2.25)
+    assert measured.save_s["persistent"] == pytest.approx(1.125)  # the median of 0.25 and 2.0

@@ -19,6 +19,7 @@ import atexit
 import ctypes
 import os
 import queue
+import resource
 import signal
 import time
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ def _worker_loop(trainer_pid: int, requests, results) -> None:
     # The tiers' modules (megatron-core, NVRx) are imported before "ready", not inside a save.
     import megatron_resil.checkpointing.global_tier  # noqa: F401
     import megatron_resil.checkpointing.local_tier  # noqa: F401
-    results.put((_READY, None, None))
+    results.put((_READY, None, None, None))
     try:
         ctypes.CDLL(None).prctl(15, WORKER_NAME, 0, 0, 0)  # PR_SET_NAME
     except (OSError, AttributeError):
@@ -58,11 +59,20 @@ def _worker_loop(trainer_pid: int, requests, results) -> None:
         if item is None:
             return
         tag, work, work_args = item
+        began, cpu_began = time.monotonic(), _cpu_seconds()
         try:
-            results.put((tag, None, work(*work_args)))
+            outcome = (None, work(*work_args))
         except BaseException as err:  # noqa: BLE001 - reported to the trainer, which decides
-            results.put((tag, f"{type(err).__name__}: {err}", None))
+            outcome = (f"{type(err).__name__}: {err}", None)
         del item, work_args
+        # What the write cost: the worker's and its forked writers' CPU time (taken from the training
+        # ranks where the cores are all busy), and its wall time.
+        results.put((tag, *outcome, (_cpu_seconds() - cpu_began, time.monotonic() - began)))
+
+
+def _cpu_seconds() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 # A new worker imports torch and megatron-core before it takes its first save: seconds, or tens of seconds
@@ -81,6 +91,7 @@ class WriterProcess:
         self._killed_by_us = False
         self.started_at: float = 0.0
         self.ready_at: float | None = None  # start-up (imports) does not count against a save
+        self.last_costs: tuple[float, float] | None = None  # the last job's (CPU seconds, wall seconds)
 
     def start(self) -> str | None:
         """Make sure a worker is running; returns why an earlier one had to be replaced, if so."""
@@ -108,7 +119,7 @@ class WriterProcess:
     def poll(self, tag: int) -> tuple[str, object]:
         """("running", None), ("done", result) or ("failed", why) for request `tag`."""
         try:
-            got, error, result = self._results.get_nowait()
+            got, error, result, self.last_costs = self._results.get_nowait()
             if got == _READY:
                 self.ready_at = time.monotonic()
                 return "running", None
@@ -116,7 +127,7 @@ class WriterProcess:
             if self.process.is_alive():
                 return "running", None
             try:  # it may have reported just before exiting
-                got, error, result = self._results.get(timeout=0.5)
+                got, error, result, self.last_costs = self._results.get(timeout=0.5)
             except queue.Empty:
                 return "failed", (f"the worker (pid {self.process.pid}) died, exit code "
                                   f"{self.process.exitcode}")
@@ -143,6 +154,7 @@ class _Pending:
     tag: int
     started: float
     on_published: object
+    blocking: dict  # seconds the trainer spent on this save, by part: prepare, stage, wait, finalize
 
 
 class AsyncSaves:
@@ -155,10 +167,12 @@ class AsyncSaves:
         self._tag = 0
         self._verdict: tuple[str, object] | None = None
 
-    def submit(self, tier, sharded_state: dict, iteration: int, on_published) -> None:
+    def submit(self, tier, sharded_state: dict, iteration: int, on_published, prepared_s: float = 0.0) -> None:
         """Collective: stage the save and hand the writing to the worker. One save at a time: a
-        pending one is finalised first."""
+        pending one is finalised first (that wait counts against the pending one). `prepared_s`: the
+        trainer's time building `sharded_state`, counted as this save's blocking time."""
         self.wait()
+        started = time.monotonic()
         restarts = parallel.all_gather_object(self.worker.start())
         replaced = [f"rank {rank}: {why}" for rank, why in enumerate(restarts) if why]
         if replaced:
@@ -172,7 +186,9 @@ class AsyncSaves:
             return
         self._tag += 1
         self.worker.submit(self._tag, job.work, job.work_args)
-        self.pending = _Pending(tier, job, self._tag, time.monotonic(), on_published)
+        now = time.monotonic()
+        self.pending = _Pending(tier, job, self._tag, now, on_published,
+                                {"prepare": prepared_s, "stage": now - started})
         self._verdict = None
 
     def _local_status(self) -> tuple[str, object]:
@@ -200,15 +216,19 @@ class AsyncSaves:
         Returns True if a save was published."""
         if self.pending is None:
             return False
+        started = time.monotonic()
         status, payload = self._local_status()
         while blocking and status == "running":
             time.sleep(0.05)
             status, payload = self._local_status()
+        waited = time.monotonic() - started
         if not parallel.all_ranks_agree(status != "running"):
             return False
         pending, self.pending = self.pending, None
         job, name = pending.job, pending.tier.name
-        verdicts = parallel.all_gather_object((status, payload))
+        gathered = parallel.all_gather_object((status, payload, self.worker.last_costs))
+        verdicts = [(verdict, why) for verdict, why, _ in gathered]
+        costs = [cost for _, _, cost in gathered if cost is not None]
         failures = [f"rank {rank}: {why}" for rank, (verdict, why) in enumerate(verdicts)
                     if verdict == "failed"]
         try:
@@ -221,7 +241,12 @@ class AsyncSaves:
             self._failed(name, job.iteration, err)
             return False
         self.failures_in_a_row = 0
-        pending.on_published(pending.tier, job.iteration, path, time.monotonic() - pending.started)
+        now = time.monotonic()
+        parts = {**pending.blocking, "wait": waited, "finalize": now - started - waited}
+        worker = {"cpu_seconds": max(c for c, _ in costs), "seconds": max(w for _, w in costs)} if costs else {}
+        whole = now - pending.started + parts["prepare"] + parts["stage"]  # from the save's start
+        pending.on_published(pending.tier, job.iteration, path, whole, blocking=parts,
+                             worker=worker)
         return True
 
     def _failed(self, name: str, iteration: int, err: CheckpointSaveError) -> None:

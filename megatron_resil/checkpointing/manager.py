@@ -265,6 +265,7 @@ class CheckpointManager:
         return True
 
     def _save_to(self, tier: CheckpointTier, progress: TrainProgress, use_async: bool = False) -> None:
+        started = time.monotonic()
         with params_in_sync(self.model, self.args):  # the parameters this step produced, gathered
             sharded = state.build_sharded_state(
                 self.model, self.optimizer, self.scheduler, progress, self.args,
@@ -273,17 +274,25 @@ class CheckpointManager:
         use_async = use_async and self.async_saves is not None and tier.supports_async_save
         events.record("save_started", tier=tier.name, iteration=progress.iteration, asynchronous=use_async)
         if use_async:
-            self.async_saves.submit(tier, sharded, progress.iteration, self._published)
+            self.async_saves.submit(tier, sharded, progress.iteration, self._published,
+                                    prepared_s=time.monotonic() - started)
             return
-        started = time.monotonic()
-        self._published(tier, progress.iteration, tier.save(sharded, progress.iteration),
-                        time.monotonic() - started)
+        path = tier.save(sharded, progress.iteration)
+        self._published(tier, progress.iteration, path, time.monotonic() - started)
 
-    def _published(self, tier: CheckpointTier, iteration: int, path: str, seconds: float) -> None:
+    def _published(self, tier: CheckpointTier, iteration: int, path: str, seconds: float,
+                   blocking: dict | None = None, worker: dict | None = None) -> None:
+        """`seconds`: from the start of the save to its publication; `blocking`, for an async save, the
+        parts of it the trainer spent on the save rather than training (a synchronous save: all), and
+        `worker`, what its background write cost the busiest rank's worker (CPU and wall seconds)."""
         if tier is self.save_tier:
             self.last_saved_iteration = iteration
-        events.record("save_published", tier=tier.name, iteration=iteration, path=path,
-                      seconds=round(seconds, 3))
+        timing: dict = {"seconds": round(seconds, 3)}
+        if blocking is not None:
+            timing.update(asynchronous=True, blocking_seconds=round(sum(blocking.values()), 3),
+                          blocking_parts={part: round(s, 3) for part, s in blocking.items()},
+                          **{f"worker_{k}": round(v, 3) for k, v in (worker or {}).items()})
+        events.record("save_published", tier=tier.name, iteration=iteration, path=path, **timing)
         kind = "" if tier is self.save_tier else f"{tier.name} "
         events.print_rank_0(f"  successfully saved {kind}checkpoint from iteration {iteration:7d} "
                             f"to {tier.root} {_ranks_tag()}")

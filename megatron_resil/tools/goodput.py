@@ -7,8 +7,9 @@
 1. Accounting, per attempt (attempts as in tools/timeline.py) and in total:
    - restart and load: the gap since the previous attempt's last event (failure detection, the launcher,
      process start-up) plus the attempt's own set-up up to its last load decision before training;
-   - saving: the blocking part of each save (`save_published` seconds of synchronous saves; an async
-     save's write overlaps training and is not charged);
+   - saving: the blocking part of each save (`save_published` seconds of a synchronous save; an async
+     save's `blocking_seconds`: preparing, staging and finalising it, or waiting for its worker; its
+     write overlaps training and is not charged);
    - lost work: iterations trained again after a resume (timeline's "recomputed"), times the median
      iteration time (from consecutive `progress` events with no save between them);
    - useful training: the rest. Goodput = useful / total wall time.
@@ -82,7 +83,11 @@ class Measured:
 
 
 def _blocking_save_s(event: dict) -> float:
-    return float(event.get("seconds") or 0.0) if not event.get("asynchronous") else 0.0
+    """A synchronous save blocks for all its `seconds`; an async one for its `blocking_seconds` (logs
+    written before that field existed: 0)."""
+    if event.get("asynchronous"):
+        return float(event.get("blocking_seconds") or 0.0)
+    return float(event.get("seconds") or 0.0)
 
 
 def iteration_time(events: list[dict]) -> float | None:
@@ -127,7 +132,7 @@ def measure(events: list[dict], skipped: int = 0) -> Measured:
         previous_end = end
     saves: dict[str, list[float]] = {}
     for event in events:
-        if event["event"] == "save_published" and not event.get("asynchronous"):
+        if event["event"] == "save_published":
             saves.setdefault(event.get("tier", "persistent"), []).append(_blocking_save_s(event))
     if restarts:
         restart, source = statistics.median(restarts), f"median of {len(restarts)} measured restart(s)"
