@@ -85,7 +85,8 @@ def run_variant(variant: str, workdir: str, cfg: dict, nproc: int, extra: list[s
         return {"window_s": progress[cfg["iters"]] - progress[1], "saves": len(saves),
                 "blocking_parts": {part: statistics.median(v) for part, v in parts.items()},
                 "worker_cpu_s": statistics.median(worker_cpu) if worker_cpu else None,
-                "blocking_s": sum(blocking), "per_save_blocking_s": statistics.median(blocking) if blocking else 0.0,
+                "blocking_s": sum(blocking),
+                "per_save_blocking_s": statistics.median(blocking) if blocking else 0.0,
                 "per_save_total_s": statistics.median(e["seconds"] for e in saves) if saves else 0.0}
     except (OSError, KeyError, ValueError) as err:
         raise SystemExit(f"{variant}: no timing ({err}), exit code {done.returncode}; output tail:\n"
@@ -103,7 +104,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset (none is implied)")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="comma-separated subset (none is implied)")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--json", default=None, help="also write the raw measurements here")
     parser.add_argument("extra", nargs="*", help="more pretrain.py arguments for every variant (after --)")
@@ -125,7 +127,7 @@ def main() -> int:
                       f"{got['per_save_total_s']:.3f} s: {parts}{cpu})", flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    extra = {v: [run["window_s"] - base["window_s"] for run, base in zip(runs[v], runs["none"])]
+    extra = {v: [run["window_s"] - base["window_s"] for run, base in zip(runs[v], runs["none"], strict=True)]
              for v in variants if v != "none"}
     layers, hidden, _ = cfg["shape"]
     print(f"\n{opts.nproc} rank(s), {layers}x{hidden} GPT, {cfg['iters']} iterations, a save every "
@@ -138,17 +140,18 @@ def main() -> int:
             print(f"{v:12s} {loop:>22s}")
             continue
         blocking = [run["blocking_s"] for run in runs[v]]
-        contention = [e - b for e, b in zip(extra[v], blocking)]
+        contention = [e - b for e, b in zip(extra[v], blocking, strict=True)]
         print(f"{v:12s} {loop:>22s} {_fmt(extra[v]):>22s} {_fmt(blocking):>22s} {_fmt(contention):>22s}")
     ratios = {}
     for tier, sync, asynchronous in (("persistent", "sync", "async"), ("local", "local-sync", "local-async")):
         if sync in extra and asynchronous in extra:
-            per_repeat = [a / s for a, s in zip(extra[asynchronous], extra[sync]) if s > 0]
+            per_repeat = [a / s for a, s in zip(extra[asynchronous], extra[sync], strict=True) if s > 0]
             if per_repeat:
                 ratios[tier] = per_repeat
+                loops = [a["window_s"] / s["window_s"]
+                         for a, s in zip(runs[asynchronous], runs[sync], strict=True)]
                 print(f"{tier} tier: async extra / sync extra = {_fmt(per_repeat)} (goal <= 0.1); "
-                      f"async loop / sync loop = "
-                      f"{_fmt([a['window_s'] / s['window_s'] for a, s in zip(runs[asynchronous], runs[sync])])}")
+                      f"async loop / sync loop = {_fmt(loops)}")
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump({"config": cfg, "nproc": opts.nproc, "runs": runs, "ratios": ratios}, f, indent=1)

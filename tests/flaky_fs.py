@@ -18,6 +18,8 @@ import subprocess
 import sys
 import threading
 
+APT_WAITS_FOR_LOCK = ["-o", "DPkg::Lock::Timeout=600"]  # another installer (Slurm's, in a parallel run): wait
+
 
 def unavailable() -> str | None:
     """Why a FUSE filesystem cannot be mounted here (None: it can); installs Debian's libfuse2 when
@@ -28,12 +30,13 @@ def unavailable() -> str | None:
         if os.geteuid() != 0 or shutil.which("apt-get") is None:
             return "libfuse2 is not installed (apt-get install libfuse2)"
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        done = subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", "libfuse2"],
-                              env=env, capture_output=True, text=True, timeout=600)
+        install = ["apt-get", *APT_WAITS_FOR_LOCK, "install", "-y", "-qq", "--no-install-recommends",
+                   "libfuse2"]
+        done = subprocess.run(install, env=env, capture_output=True, text=True, timeout=900)
         if done.returncode != 0:
-            subprocess.run(["apt-get", "update", "-qq"], env=env, capture_output=True, timeout=600)
-            done = subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", "libfuse2"],
-                                  env=env, capture_output=True, text=True, timeout=600)
+            subprocess.run(["apt-get", *APT_WAITS_FOR_LOCK, "update", "-qq"], env=env, capture_output=True,
+                           timeout=900)
+            done = subprocess.run(install, env=env, capture_output=True, text=True, timeout=900)
         if done.returncode != 0:
             return f"could not install libfuse2: {done.stderr.strip()[-200:]}"
     try:

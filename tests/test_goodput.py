@@ -142,7 +142,8 @@ def test_an_async_save_is_charged_its_blocking_part_only():
     log = [event(0.0, "start", world_size=2, train_iters=20),
            *[event(1.0 + i, "progress", iteration=i) for i in range(1, 6)],
            event(6.0, "save_published", tier="persistent", iteration=5, seconds=3.0, asynchronous=True,
-                 blocking_seconds=0.25, blocking_parts={"prepare": 0.05, "stage": 0.2, "wait": 0, "finalize": 0}),
+                 blocking_seconds=0.25,
+                 blocking_parts={"prepare": 0.05, "stage": 0.2, "wait": 0, "finalize": 0}),
            event(9.0, "save_published", tier="persistent", iteration=8, seconds=2.0),
            event(10.0, "finished", iteration=8, exit_code=0)]
     for seq, e in enumerate(log):

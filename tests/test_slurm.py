@@ -77,6 +77,12 @@ def _job_env(slurm_env: dict[str, str], **extra: str) -> dict[str, str]:
 
 # --time=10: the script's default warning signal comes 300 s before the limit; a limit of 5 minutes or less
 # would signal at once.
+def _story(text: str) -> str:
+    """What an assertion shows of a job's output: every attempt's decisions, then the end."""
+    said = [line for line in text.splitlines() if "[resil" in line or "error" in line.lower()]
+    return "\n".join(said[-60:]) + "\n--- end of the output ---\n" + text[-1500:]
+
+
 def _submit(slurm_env, out: Path, args: list[str], sbatch_args: tuple[str, ...] = ("--time=10",),
             **extra_env: str) -> str:
     done = subprocess.run(["sbatch", "--parsable", *sbatch_args, f"--output={out}", SBATCH, *args],
@@ -148,7 +154,7 @@ def test_two_jobs_on_one_node_each_train_to_completion_with_their_own_rendezvous
     for name, (job, out) in jobs.items():
         info = _wait_ended(slurm, job, out)
         text = out.read_text()
-        assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), text[-3000:]
+        assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), _story(text)
         assert "stop 0: training finished at iteration 20" in text
         assert sorted(launch.losses(text)) == list(range(1, 21))
         ports.add(re.search(r"rendezvous on \S+:(\d+)", text).group(1))
@@ -166,7 +172,7 @@ def test_time_limit_saves_the_iteration_reached_requeues_and_resumes_from_it(slu
     subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=10"], env=slurm, check=True)
     info = _wait_ended(slurm, job, out)
     text = out.read_text()
-    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), text[-3000:]
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), _story(text)
     assert "SIGTERM: forwarding to the job step's launchers" in text
     assert "forcing job termination" not in text  # srun's answer to a SIGTERM: the ranks were killed
     assert "requeueing job" in text and "(Slurm shows it RUNNING)" in text
@@ -180,7 +186,7 @@ def test_scontrol_requeue_mid_run_saves_and_resumes_once(slurm, tmp_path):
     subprocess.run(["scontrol", "requeue", job], env=slurm, check=True)
     info = _wait_ended(slurm, job, out)
     text = out.read_text()
-    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), text[-3000:]
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), _story(text)
     # Slurm requeued it; the script saw that and did not requeue it a second time.
     assert "already requeued by Slurm" in text and "requeueing job" not in text
     _assert_resumed_where_it_saved(text, 150)
@@ -196,7 +202,7 @@ def test_scancel_mid_run_saves_within_the_grace_and_the_job_stays_cancelled(slur
     time.sleep(12)
     info = _job(slurm, job)
     text = out.read_text()
-    assert (info["JobState"], info["Restarts"]) == ("CANCELLED", "0"), text[-3000:]
+    assert (info["JobState"], info["Restarts"]) == ("CANCELLED", "0"), _story(text)
     assert "not requeueing: Slurm shows job" in text and "requeueing job" not in text
     trained = sorted(launch.losses(text))
     assert _saved(text) == [trained[-1]]  # KillWait (30 s) was enough to save what was trained
@@ -274,7 +280,7 @@ def test_two_nodes_one_launcher_each_rendezvous_on_the_first_node(slurm_two_node
     job = _submit(slurm_two_nodes, out, _args(save, 10), ("--time=10", "--nodes=2"), NPROC_PER_NODE="1")
     info = _wait_ended(slurm_two_nodes, job, out)
     text = out.read_text()
-    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), text[-3000:]
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), _story(text)
     # One ft_launcher per node (srun), both in one rendezvous on node1's address: a world of two.
     assert "2 nodes x 1, rendezvous on 127.0.0.1:" in text
     joined = re.findall(r"\[ft_launcher(\d+)@\S+\] The node '\S+' has joined round 0 .* as rank (\d) in a "

@@ -167,7 +167,8 @@ class AsyncSaves:
         self._tag = 0
         self._verdict: tuple[str, object] | None = None
 
-    def submit(self, tier, sharded_state: dict, iteration: int, on_published, prepared_s: float = 0.0) -> None:
+    def submit(self, tier, sharded_state: dict, iteration: int, on_published,
+               prepared_s: float = 0.0) -> None:
         """Collective: stage the save and hand the writing to the worker. One save at a time: a
         pending one is finalised first (that wait counts against the pending one). `prepared_s`: the
         trainer's time building `sharded_state`, counted as this save's blocking time."""
@@ -243,7 +244,9 @@ class AsyncSaves:
         self.failures_in_a_row = 0
         now = time.monotonic()
         parts = {**pending.blocking, "wait": waited, "finalize": now - started - waited}
-        worker = {"cpu_seconds": max(c for c, _ in costs), "seconds": max(w for _, w in costs)} if costs else {}
+        worker = {}
+        if costs:
+            worker = {"cpu_seconds": max(c for c, _ in costs), "seconds": max(w for _, w in costs)}
         whole = now - pending.started + parts["prepare"] + parts["stage"]  # from the save's start
         pending.on_published(pending.tier, job.iteration, path, whole, blocking=parts,
                              worker=worker)

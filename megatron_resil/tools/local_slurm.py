@@ -32,6 +32,9 @@ import sys
 import time
 from pathlib import Path
 
+# Another apt-get or dpkg (a second installer in a parallel test run, unattended upgrades) holds the lock:
+# wait for it rather than fail.
+APT_WAITS_FOR_LOCK = ["-o", "DPkg::Lock::Timeout=600"]
 PACKAGES = ("slurmctld", "slurmd", "slurm-client")
 
 
@@ -54,8 +57,9 @@ def install() -> None:
         raise SlurmUnavailable("Slurm is not installed and installing it needs root "
                                f"(apt-get install {' '.join(PACKAGES)})")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update", "-qq"],
-                ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES]):
+    for cmd in (["apt-get", *APT_WAITS_FOR_LOCK, "update", "-qq"],
+                ["apt-get", *APT_WAITS_FOR_LOCK, "install", "-y", "-qq", "--no-install-recommends",
+                 *PACKAGES]):
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
             raise SlurmUnavailable(f"{' '.join(cmd)} failed: {(done.stderr or done.stdout).strip()[-300:]}")
