@@ -398,3 +398,34 @@ def test_fsync_file_and_dir(tmp_path: Path) -> None:
     atomic.fsync_dir(str(tmp_path))
     with pytest.raises(FileNotFoundError):
         atomic.fsync_file(str(tmp_path / "nope"))
+
+
+def test_async_snapshot_is_a_private_shared_memory_copy_reused_from_save_to_save() -> None:
+    """What an async save writes from: a copy in shared memory (the worker reads it without another copy),
+    unaffected by training's later updates, and the same buffers at the next save of the same state."""
+    import torch
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from megatron_resil.checkpointing.snapshot import SnapshotBuffers
+
+    live = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4),
+            "b": torch.ones(4, dtype=torch.bfloat16)}
+
+    def state():
+        return {"model": {name: ShardedTensor.from_rank_offsets(name, t) for name, t in live.items()},
+                "iteration": 7}
+
+    buffers = SnapshotBuffers()
+    first = buffers.take(state())
+    w, b = first["model"]["w"].data, first["model"]["b"].data
+    assert w.is_shared() and b.is_shared() and first["iteration"] == 7
+    assert w.data_ptr() != live["w"].data_ptr() and torch.equal(w, live["w"]) and torch.equal(b, live["b"])
+    live["w"].mul_(-1)  # training goes on
+    assert w[1, 1].item() == 5.0
+    second = buffers.take(state())
+    assert second["model"]["w"].data.data_ptr() == w.data_ptr()  # reused, now holding the new values
+    assert torch.equal(second["model"]["w"].data, live["w"])
+    live["w"] = torch.zeros(2, 2)  # the state changed shape: a fresh buffer for it
+    third = buffers.take(state())
+    assert third["model"]["w"].data.shape == (2, 2) and third["model"]["w"].data.is_shared()
+    assert third["model"]["b"].data.data_ptr() == b.data_ptr()

@@ -15,8 +15,6 @@ import shutil
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from megatron.core import dist_checkpointing, parallel_state
-from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
-from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelSaveStrategyWrapper,
@@ -38,6 +36,7 @@ from megatron_resil.checkpointing.manifest import (
     verify_manifest,
     write_manifest,
 )
+from megatron_resil.checkpointing.snapshot import SnapshotBuffers
 from megatron_resil.checkpointing.tier import AsyncSaveJob, CheckpointTier, TierCandidate
 from megatron_resil.checkpointing.tracker import read_tracker, write_tracker
 
@@ -71,6 +70,7 @@ class GlobalTier(CheckpointTier):
         self._common_of: tuple[str, dict] | None = None
         # A --load that is not this run's --save is only read: a rejected checkpoint there stays put.
         self.read_only = False
+        self._snapshot = SnapshotBuffers()  # what an async save writes from, reused from save to save
 
     # ---- load side -------------------------------------------------------------------------
     def candidates(self) -> list[TierCandidate]:
@@ -204,7 +204,7 @@ class GlobalTier(CheckpointTier):
         request, failure = None, None
         try:  # planning and staging are collective; rank 0 also writes common.pt here
             with dcp_writer.rank0_writes_fail_late():
-                request = dist_checkpointing.save(snapshot(sharded_state), staging,
+                request = dist_checkpointing.save(self._snapshot.take(sharded_state), staging,
                                                   sharded_strategy=self._strategy(), async_sharded_save=True,
                                                   content_metadata=self.content_metadata)
         except (Exception, CheckpointException) as err:  # DCP's is a BaseException
@@ -330,17 +330,6 @@ def _cleanup_step(done: str, failed: str, step) -> None:
         events.decision("cleanup", f"could not {failed}: {err}; left in place (never loaded)")
         return
     events.decision("cleanup", done)
-
-
-def snapshot(sharded_state: dict) -> dict:
-    """The tensors as they are now, in private host memory: training goes on updating the live
-    ones while a background worker writes these (on GPU this is the device-to-host copy)."""
-    def copy(value):
-        if isinstance(value, ShardedTensor) and value.data is not None:
-            value.data = value.data.detach().to("cpu", copy=True)
-        return value
-    dict_list_map_inplace(copy, sharded_state)
-    return sharded_state
 
 
 def checksum_own_shards(staging: str, rank: int) -> dict:
