@@ -5,15 +5,15 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup_env.sh"
 cd "$ROOT"
 set +e
-# One test at a time by default (what CI runs). `-n 2` runs two at a time (pytest-xdist; tests/conftest.py
-# keeps each file's tests on one worker and gives --dist loadgroup): about 16 instead of 22 minutes on two
-# cores, but the timing-sensitive async-save tests are not yet reliable with another test beside them.
+# One test at a time by default (what CI runs). `-n 2` runs two at a time (pytest-xdist, --dist loadfile:
+# each file's tests on one worker, so module fixtures are built once and a file's tests never meet): about
+# 16 instead of 20 minutes on two cores, not yet reliable enough for CI (tests/README.md).
 # The chaos run (tests/test_chaos.py, several minutes) runs only when asked for: `-m chaos`.
 PARALLEL=()
 SELECT=(-m "not chaos")
 for arg in "$@"; do
   case "$arg" in
-    -n|-n*|--numprocesses*) PARALLEL=(--dist loadgroup) ;;
+    -n|-n*|--numprocesses*) PARALLEL=(--dist loadfile) ;;
     -m|-m*) SELECT=() ;;
   esac
 done

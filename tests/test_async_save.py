@@ -85,9 +85,29 @@ def _comm(pid) -> str:
         return ""
 
 
-def _workers() -> list[int]:
+def _parent(pid) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat[stat.rfind(")") + 2:].split()[1])
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    for _ in range(8):
+        pid = _parent(pid)
+        if pid is None or pid <= 1:
+            return False
+        if pid == ancestor:
+            return True
+    return False
+
+
+def _workers(launched_by: int | None = None) -> list[int]:
     """The async workers: named processes whose parent is a trainer (megatron-core's writers, which
-    a worker forks, inherit its name)."""
+    a worker forks, inherit its name); only those of the run `launched_by` started, when given (another
+    test's run may have workers of its own on this machine)."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or _comm(entry) != WORKER_COMM:
@@ -98,7 +118,7 @@ def _workers() -> list[int]:
         except OSError:
             continue
         parent = stat[stat.rfind(")") + 2:].split()[1]
-        if _comm(parent) != WORKER_COMM:
+        if _comm(parent) != WORKER_COMM and (launched_by is None or _descends_from(int(entry), launched_by)):
             found.append(int(entry))
     return found
 
@@ -106,14 +126,14 @@ def _workers() -> list[int]:
 def _strike_workers(proc: subprocess.Popen, signals: list[int], struck: list) -> None:
     """Send each signal in turn to a worker that appeared after the previous strike: the first to
     one of the workers that start with training, the next to the fresh worker that replaced it."""
-    seen = set(_workers())
+    seen = set(_workers(proc.pid))
     deadline = time.monotonic() + 180
     for sig in signals:
         while time.monotonic() < deadline and proc.poll() is None:
-            new = [pid for pid in _workers() if pid not in seen]
+            new = [pid for pid in _workers(proc.pid) if pid not in seen]
             if new:
                 time.sleep(2.0)  # a few iterations in: a save is in flight or about to be
-                seen |= set(_workers())
+                seen |= set(_workers(proc.pid))
                 os.kill(new[0], sig)
                 struck.append(new[0])
                 break

@@ -113,6 +113,9 @@ def write_config(directory: Path, cpus: int | None = None, nodes: int = 1) -> Pa
         "SelectType=select/cons_tres",
         "SelectTypeParameters=CR_CPU",
         "JobRequeue=1",
+        # Job ids of two throwaway clusters on one host never coincide: pretrain.sbatch derives its
+        # rendezvous port from the job id, and a cluster's ids would otherwise start at 1 every time.
+        f"FirstJobId={100 + (os.getpid() * 97 + int(time.time())) % 2400}",
         "ReturnToService=2",
         "MailProg=/bin/true",
         "SchedulerParameters=sched_interval=2",
