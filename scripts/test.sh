@@ -6,8 +6,8 @@ source "$ROOT/scripts/setup_env.sh"
 cd "$ROOT"
 set +e
 # One test at a time by default (what CI runs). `-n 2` runs two at a time (pytest-xdist, --dist loadfile:
-# each file's tests on one worker, so module fixtures are built once and a file's tests never meet): about
-# 16 instead of 20 minutes on two cores, not yet reliable enough for CI (tests/README.md).
+# each file's tests on one worker, so module fixtures are built once and a file's tests never meet); on two
+# cores not yet faster than one at a time, because the longest files run back to back (tests/README.md).
 # The chaos run (tests/test_chaos.py, several minutes) runs only when asked for: `-m chaos`.
 PARALLEL=()
 SELECT=(-m "not chaos")
