@@ -112,13 +112,10 @@ def _workers(launched_by: int | None = None) -> list[int]:
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or _comm(entry) != WORKER_COMM:
             continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
+        parent = _parent(entry)
+        if parent is None or _comm(parent) == WORKER_COMM:
             continue
-        parent = stat[stat.rfind(")") + 2:].split()[1]
-        if _comm(parent) != WORKER_COMM and (launched_by is None or _descends_from(int(entry), launched_by)):
+        if launched_by is None or _descends_from(int(entry), launched_by):
             found.append(int(entry))
     return found
 
