@@ -16,7 +16,8 @@ setup(
         "megatron-core==0.16.1",
         "nvidia-resiliency-ext==0.4.1",
         "tensorstore>=0.1.60,!=0.1.72",
-        "google-crc32c>=1.5",  # manifest checksums, ~3x faster than zlib's CRC32
+        "isal>=1.6",  # manifest and local-tier CRC-32 (ISA-L: zlib's values, ~6x faster here)
+        "google-crc32c>=1.5",  # older manifests' CRC32C; zarr chunks
         "numpy",
         "packaging>=24.2",
         "matplotlib>=3.7",  # tools/timeline.py draws the run timeline

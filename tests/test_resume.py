@@ -36,6 +36,7 @@ except ImportError:  # pragma: no cover - tests/ on sys.path instead
     import launch
 
 from megatron_resil import exit_codes
+from megatron_resil.checkpointing.safe_load import CommonLoadWeightsOnly
 
 pytestmark = pytest.mark.slow
 
@@ -120,8 +121,10 @@ def _assert_checkpoints_identical(a: Path, b: Path, scratch: Path) -> None:
     different = sorted(k for k in tensors_a if not _same(tensors_a[k], tensors_b[k]))
     assert not different, f"{len(different)} of {len(tensors_a)} entries differ: {different[:8]}"
 
-    common_a = torch.load(a / "common.pt", weights_only=True)
-    common_b = torch.load(b / "common.pt", weights_only=True)
+    # Read as the loader reads it (its allow-list admits Megatron-LM's argparse.Namespace); plain
+    # torch.load(weights_only=True) passes only once megatron.core has been imported in this process.
+    common_a = CommonLoadWeightsOnly().load_common(a)
+    common_b = CommonLoadWeightsOnly().load_common(b)
     args_a, args_b = vars(common_a.pop("args")), vars(common_b.pop("args"))  # Namespaces, as Megatron-LM
     assert _same(common_a, common_b)  # iteration, scheduler, optimizer step, version
     # Keys in one record only come from a flag added to pretrain.py between the two runs (a tree being

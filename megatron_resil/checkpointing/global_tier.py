@@ -13,16 +13,14 @@ import os
 import shutil
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from megatron.core import dist_checkpointing, parallel_state
-from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelSaveStrategyWrapper,
 )
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_resil import events, parallel
-from megatron_resil.checkpointing import dcp_writer, layout, safe_load, zarr_strategy
+from megatron_resil.checkpointing import dcp_writer, layout, safe_load, shard_writer, zarr_strategy
 from megatron_resil.checkpointing.atomic import (
     find_symlink,
     fsync_dir,
@@ -183,7 +181,7 @@ class GlobalTier(CheckpointTier):
                         dcp_writer.rank0_writes_fail_late():
                     dist_checkpointing.save(sharded_state, staging, sharded_strategy=self._strategy(),
                                             content_metadata=self.content_metadata)
-                own = checksum_own_shards(staging, parallel.rank())
+                own = shard_writer.own_shard_checksums(staging, parallel.rank())
         except (Exception, CheckpointException) as err:  # DCP's is a BaseException
             failure = _one_line(err)
         outcomes = parallel.all_gather_object((own, failure))  # also: every rank's shards are written
@@ -255,7 +253,7 @@ class GlobalTier(CheckpointTier):
 
     @classmethod
     def _strategy(cls):
-        return cls._parallel(get_default_save_sharded_strategy("torch_dist"))
+        return cls._parallel(shard_writer.ChecksummedTorchDistSaveStrategy("torch_dist", 1))
 
     @staticmethod
     def _parallel(strategy):
@@ -332,25 +330,17 @@ def _cleanup_step(done: str, failed: str, step) -> None:
     events.decision("cleanup", done)
 
 
-def checksum_own_shards(staging: str, rank: int) -> dict:
-    """The shard files a rank wrote (`__<rank>_<n>.distcp`), checksummed by their writer."""
-    prefix = f"__{rank}_"
-    own = sorted(name for name in os.listdir(staging) if name.startswith(prefix) and name.endswith(".distcp"))
-    return checksum_files(staging, own)
-
-
 def write_own_shards(rank: int, staging: str, write_fn, preload_fn, write_args) -> dict:
-    """An async save's background work (in the worker process): write this rank's shards with
-    megatron-core's writer and return their checksums, computed by the writer of the data."""
+    """An async save's background work (in the worker process): write this rank's shards (the
+    strategy's write function: shard_writer's threads) and return their checksums, computed by the
+    writer of the data."""
     if write_fn is not None:  # None: this rank has nothing to write in this save
         write_args = list(write_args)
         if preload_fn is not None:
             write_args[1] = preload_fn()
         with dcp_writer.without_torch_record_crc():
             write_fn(*write_args)
-        for child in mp.active_children():  # megatron-core's forked writers: never checksum a
-            child.join()                      # file one of them may still be finishing
-    return checksum_own_shards(staging, rank)
+    return shard_writer.own_shard_checksums(staging, rank)
 
 
 def _one_line(err: BaseException) -> str:

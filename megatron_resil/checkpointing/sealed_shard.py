@@ -15,18 +15,20 @@ from __future__ import annotations
 
 import io
 import os
-import zlib
 
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
 from nvidia_resiliency_ext.checkpointing.local.base_state_dict import TensorAwareStateDict
 
+from megatron_resil.checkpointing.manifest import extend_checksum
+
 _SAFE_CLASSES = [MCoreTensorAwareStateDict, ShardedTensor, ShardedObject]
 
 
 def crc32_of(data) -> int:
-    return zlib.crc32(memoryview(data).cast("B"))
+    """CRC-32 with zlib's values, by ISA-L where installed (the seal is in the trainer's path)."""
+    return extend_checksum(0, memoryview(data).cast("B"), "crc32")
 
 
 class _BufferReader(io.RawIOBase):
