@@ -260,7 +260,6 @@ def save_worker(opts: argparse.Namespace) -> None:
     sys.path.insert(0, REPO)
     import threading
 
-    import torch
     import torch.distributed as dist
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy

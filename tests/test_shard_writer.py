@@ -43,7 +43,8 @@ def _state() -> dict:
         "view": flat[1024:2048].view(32, 32),  # a view of a larger storage (cloned for torch.save)
         "moment": torch.randn(4096),
     }
-    return {name: ShardedTensor.from_rank_offsets(name, tensor, replica_id=0) for name, tensor in tensors.items()}
+    return {name: ShardedTensor.from_rank_offsets(name, tensor, replica_id=0)
+            for name, tensor in tensors.items()}
 
 
 def _save(directory: Path, strategy) -> None:

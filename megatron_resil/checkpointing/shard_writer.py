@@ -5,11 +5,12 @@ through two queues; our manifest then read every shard back to checksum it (12% 
 second pass over every byte). This strategy is megatron-core's own up to the last step: the same
 planning, the same buckets (files) and records, the same results handed to its finalisation, which
 writes DCP's `.metadata`. Only the writing of the planned buckets is ours, in the process that runs
-the save (the trainer for a synchronous save, the async worker otherwise): each record written by torch's own `_write_item` (a torch.save record at the offset `.metadata` gives)
-through a stream that extends the manifest's checksum over the bytes as they go to the file. So the
-files are byte for byte the torch_dist format megatron-core and Megatron-LM read, and no byte is read
-back. The checksum covers what was handed to the kernel, as the read-back covered what the page
-cache returned; both are taken before the fsync and catch what happens to the file afterwards.
+the save (the trainer for a synchronous save, the async worker otherwise): each record is written by
+torch's own `_write_item` (a torch.save record at the offset `.metadata` gives) through a stream that
+extends the manifest's checksum over the bytes as they go to the file. So the files are byte for
+byte the torch_dist format megatron-core and Megatron-LM read, and no byte is read back. The checksum
+covers what was handed to the kernel, as the read-back covered what the page cache returned; both
+are taken before the fsync and catch what happens to the file afterwards.
 """
 
 from __future__ import annotations
