@@ -66,6 +66,9 @@ WHAT_IF = {
                            "shards read back for their checksums): the save before shard_writer",
     "atomic_no_checksum": "GlobalTier.save with no checksum of the shard data (sizes only): what the "
                           "checksum costs",
+    "atomic_constant_structure": "GlobalTier.save with Megatron's --ckpt-assume-constant-structure (the "
+                                 "plan and data-parallel spread of the first save reused, no sharding "
+                                 "validation): what megatron-core's planning costs",
 }
 GOALS = {"save_overhead": ("<=", 1.05), "save_throughput": (">=", 0.9), "step_time": ("<=", 1.02)}
 
@@ -331,6 +334,9 @@ def save_worker(opts: argparse.Namespace) -> None:
         fresh_state, n_params = build_state(shape)
         base = os.path.join(opts.dir, name)
         tier = GlobalTier(os.path.join(base, "atomic"))
+        # The same tier with Megatron's --ckpt-assume-constant-structure (the what-if below): its first
+        # save, the warm-up, plans; later ones reuse the plan and skip the sharding validation.
+        constant_tier = GlobalTier(os.path.join(base, "atomic"), assume_constant_structure=True)
         plain_root = os.path.join(base, "plain")
         raw_root = os.path.join(base, "raw")
         if rank0:
@@ -344,8 +350,9 @@ def save_worker(opts: argparse.Namespace) -> None:
             state = fresh_state()
             sync_disk()
             timer.start()
+            saver = constant_tier if variant == "atomic_constant_structure" else tier
             with what_if(variant):
-                seconds = timed(lambda: tier.save(state, counter["iteration"]))
+                seconds = timed(lambda: saver.save(state, counter["iteration"]))
             timer.finish(seconds if record else None)
             final = os.path.join(tier.root, f"iter_{counter['iteration']:07d}")
             files = dir_files(final) if rank0 else {}
@@ -420,6 +427,8 @@ def save_worker(opts: argparse.Namespace) -> None:
         if rank0:
             log(f"{name}: {n_params / 1e6:.1f}M params; warm-up saves (excluded) ...")
         atomic_once(record=False)  # also spawns megatron-core's multiprocessing Manager
+        if opts.what_if:
+            atomic_once(record=False, variant="atomic_constant_structure")  # its planning save
         plain_once()
         if with_raw:
             raw_once()
@@ -467,8 +476,9 @@ def save_worker(opts: argparse.Namespace) -> None:
             if variant == "atomic_mcore_writer":
                 # megatron-core's default torch_dist strategy; its shards are then not in the writer's
                 # registry, so own_shard_checksums reads them back, as the tier did before.
-                GlobalTier._strategy = classmethod(
-                    lambda cls: cls._parallel(get_default_save_sharded_strategy("torch_dist")))
+                def megatron_core_writer(cls, cache_structure=False):
+                    return cls._parallel(get_default_save_sharded_strategy("torch_dist"))
+                GlobalTier._strategy = classmethod(megatron_core_writer)
             elif variant == "atomic_no_checksum":
                 shard_writer.extend_checksum = lambda crc, chunk, algorithm=None: 0
             yield

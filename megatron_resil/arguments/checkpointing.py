@@ -68,6 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--async-save-max-failures", type=int, default=3,
                    help="this many failed async saves in a row end the job with exit code 4 (one failed "
                         "save is dropped and training continues)")
+    g.add_argument("--ckpt-assume-constant-structure", action="store_true",
+                   help="the model and optimizer state keep their structure for the whole job (as in "
+                        "Megatron): torch_dist saves after the first reuse its plan and its spread over "
+                        "data-parallel ranks and skip the sharding validation")
     g.add_argument("--ckpt-skip-checksums", action="store_true",
                    help="do not verify file checksums on load (sizes and the manifest still are)")
 

@@ -19,7 +19,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
 )
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_resil import events, parallel
+from megatron_resil import events, launcher_watch, parallel
 from megatron_resil.checkpointing import dcp_writer, layout, safe_load, shard_writer, zarr_strategy
 from megatron_resil.checkpointing.atomic import (
     find_symlink,
@@ -56,7 +56,8 @@ def _make_staging(root: str, iteration: int) -> str:
 
 class GlobalTier(CheckpointTier):
     def __init__(self, root: str, name: str = "persistent", write_tracker: bool = True,
-                 verify_checksums: bool = True, ckpt_format: str = "torch_dist") -> None:
+                 verify_checksums: bool = True, ckpt_format: str = "torch_dist",
+                 assume_constant_structure: bool = False) -> None:
         assert ckpt_format in FORMATS, ckpt_format
         self.root = root
         self.name = name
@@ -69,6 +70,10 @@ class GlobalTier(CheckpointTier):
         # A --load that is not this run's --save is only read: a rejected checkpoint there stays put.
         self.read_only = False
         self._snapshot = SnapshotBuffers()  # what an async save writes from, reused from save to save
+        # --ckpt-assume-constant-structure: one torch_dist strategy for the job, so megatron-core
+        # reuses its save plan and data-parallel spread, and sharding is validated on the first save only.
+        self.assume_constant_structure = assume_constant_structure
+        self._kept_strategy = None
 
     # ---- load side -------------------------------------------------------------------------
     def candidates(self) -> list[TierCandidate]:
@@ -179,7 +184,9 @@ class GlobalTier(CheckpointTier):
             else:
                 with dcp_writer.without_torch_record_crc(), dcp_writer.results_in_this_process(), \
                         dcp_writer.rank0_writes_fail_late():
-                    dist_checkpointing.save(sharded_state, staging, sharded_strategy=self._strategy(),
+                    strategy, validate = self._torch_dist_strategy()
+                    dist_checkpointing.save(sharded_state, staging, sharded_strategy=strategy,
+                                            validate_access_integrity=validate,
                                             content_metadata=self.content_metadata)
                 own = shard_writer.own_shard_checksums(staging, parallel.rank())
         except (Exception, CheckpointException) as err:  # DCP's is a BaseException
@@ -202,8 +209,10 @@ class GlobalTier(CheckpointTier):
         request, failure = None, None
         try:  # planning and staging are collective; rank 0 also writes common.pt here
             with dcp_writer.rank0_writes_fail_late():
+                strategy, validate = self._torch_dist_strategy()
                 request = dist_checkpointing.save(self._snapshot.take(sharded_state), staging,
-                                                  sharded_strategy=self._strategy(), async_sharded_save=True,
+                                                  sharded_strategy=strategy, async_sharded_save=True,
+                                                  validate_access_integrity=validate,
                                                   content_metadata=self.content_metadata)
         except (Exception, CheckpointException) as err:  # DCP's is a BaseException
             failure = _one_line(err)
@@ -251,22 +260,37 @@ class GlobalTier(CheckpointTier):
         return self._on_rank0(lambda: _make_staging(self.root, iteration),
                               f"create a staging directory in {self.root}")
 
+    def _torch_dist_strategy(self):
+        """(strategy, validate sharding?) for this torch_dist save."""
+        if not self.assume_constant_structure:
+            return self._strategy(), True
+        if self._kept_strategy is None:
+            self._kept_strategy = self._strategy(cache_structure=True)
+            return self._kept_strategy, True
+        return self._kept_strategy, False
+
     @classmethod
-    def _strategy(cls):
-        return cls._parallel(shard_writer.ChecksummedTorchDistSaveStrategy("torch_dist", 1))
+    def _strategy(cls, cache_structure: bool = False):
+        return cls._parallel(shard_writer.ChecksummedTorchDistSaveStrategy(
+            "torch_dist", 1, cached_metadata=cache_structure), cache_structure)
 
     @staticmethod
-    def _parallel(strategy):
+    def _parallel(strategy, cache_distribution: bool = False):
         if dist.is_initialized() and dist.get_world_size() > 1:
             # Spread replicated tensors over data-parallel ranks, as Megatron does by default.
             strategy = FullyParallelSaveStrategyWrapper(
-                strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
+                strategy, parallel_state.get_data_parallel_group(with_context_parallel=True),
+                do_cache_distribution=cache_distribution)
         return strategy
 
     def _publish(self, staging: str, final: str, iteration: int, checksums: dict) -> None:
         fsync_tree(staging)  # common.pt and metadata.json are written without fsync
         write_manifest(staging, iteration, self.ckpt_format, checksums)
         fsync_dir(staging)
+        # A rank whose launcher died stops without publishing (launcher_watch): its watch thread may
+        # not have noticed yet, but a save that finished meanwhile must not be published past the
+        # exit record. This ends the process here if the launcher is gone.
+        launcher_watch.stop_if_orphaned()
         publish_directory(staging, final, layout.new_displaced_dir(self.root, iteration))
         if self.write_tracker:
             write_tracker(self.root, iteration)

@@ -53,6 +53,7 @@ class CheckpointConfig:
     async_timeout_secs: float
     async_max_failures: int
     ckpt_format: str
+    assume_constant_structure: bool
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> CheckpointConfig:
@@ -74,7 +75,8 @@ class CheckpointConfig:
                    canary_iters=args.non_persistent_canary_iters,
                    async_save=args.async_save, async_timeout_secs=args.async_save_timeout_secs,
                    async_max_failures=args.async_save_max_failures,
-                   ckpt_format=args.ckpt_format)
+                   ckpt_format=args.ckpt_format,
+                   assume_constant_structure=args.ckpt_assume_constant_structure)
 
 
 class CheckpointManager:
@@ -83,7 +85,9 @@ class CheckpointManager:
         """`model`: this rank's model chunks (megatron-core DDP modules)."""
         self.config = config
         self.model, self.optimizer, self.scheduler, self.args = model, optimizer, scheduler, args
-        self.save_tier = GlobalTier(config.save, ckpt_format=config.ckpt_format) if config.save else None
+        self.save_tier = GlobalTier(config.save, ckpt_format=config.ckpt_format,
+                                    assume_constant_structure=config.assume_constant_structure) \
+            if config.save else None
         self.non_persistent_tier = _non_persistent_tier(config, parallel_layout(args))
         for tier in (self.save_tier, self.non_persistent_tier):
             if tier is not None:
@@ -309,7 +313,8 @@ def _non_persistent_tier(config: CheckpointConfig, layout_of_run: str) -> Checkp
                          verify_checksums=config.verify_checksums, parallel_layout=layout_of_run)
     if config.non_persistent_dir is not None:
         return GlobalTier(config.non_persistent_dir, name="non-persistent",
-                          verify_checksums=config.verify_checksums, ckpt_format=config.ckpt_format)
+                          verify_checksums=config.verify_checksums, ckpt_format=config.ckpt_format,
+                          assume_constant_structure=config.assume_constant_structure)
     return None
 
 

@@ -46,6 +46,8 @@ _METADATA_CLASSES = frozenset({
     (_DCP_PLANNER, "SavePlan"), (_DCP_PLANNER, "WriteItem"), (_DCP_PLANNER, "WriteItemType"),
     (_DCP_PLANNER, "TensorWriteData"), (_DCP_PLANNER, "BytesIOWriteData"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    # A cached save plan's storage_data (Megatron's --ckpt-assume-constant-structure): a prefix string.
+    ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
     ("torch.serialization", "_get_layout"),  # maps a layout's name to torch's layout object
     ("torch", "Size"),
     ("collections", "OrderedDict"),
