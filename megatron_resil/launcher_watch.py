@@ -14,8 +14,9 @@ launcher lives and ends them with the rank.
 
 Without a launcher (plain `python pretrain.py`) the parent is a shell and nothing is watched.
 
-Whatever ends a rank, the processes it forks die with it: megatron-core's checkpoint writer forks helpers
-for each save, and one orphaned mid-save waits forever on a lock its dead parent held. Each fork gets
+Whatever ends a rank, the processes it forks die with it: megatron-core's own checkpoint writer forks
+helpers for each save (ours writes in the process that saves, but a fork can come from any library), and
+one orphaned mid-save waits forever on a lock its dead parent held. Each fork gets
 the kernel's parent-death signal (the forking thread is the rank's main thread, which lives as long as
 the rank does).
 """
