@@ -14,7 +14,7 @@ SECONDS_PER_FILE = {
     "test_node_loss_drill.py": 181,
     "test_slurm.py": 175,
     "test_async_save.py": 125,
-    "test_resume.py": 104,
+    "test_resume.py": 137,
     "test_engine.py": 59,
     "test_ft_launcher.py": 53,
     "test_fault_injection.py": 50,
