@@ -129,8 +129,7 @@ class SaveStepTimer:
     whatever is not wrapped shows up as "other".
     """
 
-    TIER_STEPS = ("_make_staging", "get_default_save_sharded_strategy",
-                  "checksum_own_shards", "gather_checksums", "_barrier", "fsync_tree", "fsync_dir",
+    TIER_STEPS = ("_make_staging", "gather_checksums", "_barrier", "fsync_tree", "fsync_dir",
                   "write_manifest", "publish_directory", "write_tracker", "checksum_files")
     COLLECTIVES = ("barrier", "all_gather_object", "broadcast_object_list", "all_reduce", "broadcast_object",
                    "all_ranks_agree", "any_rank")

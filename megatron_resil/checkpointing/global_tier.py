@@ -356,8 +356,8 @@ def _cleanup_step(done: str, failed: str, step) -> None:
 
 def write_own_shards(rank: int, staging: str, write_fn, preload_fn, write_args) -> dict:
     """An async save's background work (in the worker process): write this rank's shards (the
-    strategy's write function: shard_writer's threads) and return their checksums, computed by the
-    writer of the data."""
+    strategy's write function, shard_writer.write_buckets) and return their checksums, computed by
+    the writer of the data."""
     if write_fn is not None:  # None: this rank has nothing to write in this save
         write_args = list(write_args)
         if preload_fn is not None:

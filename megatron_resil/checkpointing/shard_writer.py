@@ -61,7 +61,7 @@ _written_lock = threading.Lock()
 
 
 def _write_records(transforms: list, bucket, file) -> tuple[list, _ChecksummingStream]:
-    path, storage_key, (bytes_data, tensor_data) = bucket
+    _path, storage_key, (bytes_data, tensor_data) = bucket
     stream = _ChecksummingStream(file)
     results = [_write_item(*transforms, stream, data, item, storage_key,
                            serialization_format=SerializationFormat.TORCH_SAVE)
@@ -90,22 +90,20 @@ def write_buckets(transforms: list, rank: int, buckets: list, results_queue) -> 
     """
     outcome: dict | Exception = {}
     try:
+        # Leaving the executor waits for every fsync submitted (each closes its file), also on an
+        # error, so every file is closed before anything is reported.
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-fsync") as syncer:
             syncs = []
-            try:
-                for index, bucket in enumerate(buckets):
-                    file = open(bucket[0], "wb")
-                    try:
-                        outcome[index], stream = _write_records(transforms, bucket, file)
-                    except BaseException:
-                        file.close()
-                        raise
-                    syncs.append(syncer.submit(_fsync_and_record, file, stream))
-            finally:
-                for sync in syncs:  # every file closed before anything is reported
-                    sync.exception()
-            for sync in syncs:
-                sync.result()
+            for index, bucket in enumerate(buckets):
+                file = open(bucket[0], "wb")
+                try:
+                    outcome[index], stream = _write_records(transforms, bucket, file)
+                except BaseException:
+                    file.close()
+                    raise
+                syncs.append(syncer.submit(_fsync_and_record, file, stream))
+        for sync in syncs:
+            sync.result()
     except Exception as err:  # reported through the queue, as megatron-core's writer does
         outcome = err
     results_queue.put(outcome)
