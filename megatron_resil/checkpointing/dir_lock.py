@@ -5,16 +5,21 @@ saved", and a job starting while another saves removes the other's live staging 
 "leftovers". So each checkpoint directory a run writes (`--save`, the non-persistent directory, this
 node's local directory) is locked at start, before any clean-up, and held for the job's life:
 
-- `<dir>/.resil.lock` holds the holder (host, pid, Slurm job id, torchrun run id, start time, lease
-  renewal time) and is `flock`ed by the holder's process, so a holder that dies (even by SIGKILL) frees
-  it on this host at once;
+- `<dir>/.resil.lock` holds the holder (host, pid, the process's start time and the host's boot id,
+  Slurm job id, torchrun run id, start time, lease renewal time) and is `flock`ed by the holder's
+  process, so a holder that dies (even by SIGKILL) frees it on this host at once;
+- the record is untrusted input (anyone who may write the directory may write it): one that does not
+  read as a lock record is stale, and taken over with what is wrong with it;
+- on this host, a recorded pid whose flock is free counts as the holder only if it is the same process
+  (alive, with the recorded start time, since this boot): pids are reused, and a command line proves
+  nothing;
 - the holder renews its lease every LEASE_SECS / 4; a lock written on another host whose lease is older
   than LEASE_SECS is stale (that host or job is gone: a shared file system's flock cannot be trusted);
 - a requeued or restarted attempt of the same job (the same Slurm job id, or the same torchrun run id
   for an in-job restart) takes the lock back without a fight.
 
-A second job gets one line naming the holder and exits 2 (the same command would fail the same way).
-Every takeover is logged with its reason.
+A second job gets one line naming the holder and how to clear a stale lock, and exits 2 (the same
+command would fail the same way). Every takeover is logged with its reason.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import atexit
 import errno
 import fcntl
 import json
+import math
 import os
 import socket
 import threading
@@ -30,7 +36,11 @@ import time
 
 LOCK_NAME = ".resil.lock"
 LEASE_SECS = 300.0
+CLOCK_SKEW_SECS = 60.0  # how far ahead of ours another host's clock may run before its lease is a lie
 _RECORD_BYTES = 1024
+_MAX_RECORD_BYTES = 4096
+_PID_MAX = 4194304  # the kernel's PID_MAX_LIMIT: no host's pid_max goes above it
+_MAX_STRING = 255
 
 
 class DirectoryInUse(Exception):
@@ -38,7 +48,10 @@ class DirectoryInUse(Exception):
 
 
 def _me() -> dict:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+    # The start time, not a marker in the environment: a variable set after exec never shows in
+    # /proc/<pid>/environ, and the launcher's environment is not ours to set.
+    return {"host": socket.gethostname(), "pid": os.getpid(), "boot_id": _boot_id(),
+            "start_ticks": _start_ticks(os.getpid()), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
             "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "renewed": time.time()}
 
@@ -48,14 +61,23 @@ def describe(holder: dict) -> str:
     return f"host {holder.get('host')}, pid {holder.get('pid')}{job}, since {holder.get('started')}"
 
 
-def _pid_alive(pid) -> bool:
+def _boot_id() -> str | None:
     try:
-        os.kill(int(pid), 0)
-    except (ProcessLookupError, ValueError, TypeError):
-        return False
-    except PermissionError:
-        return True
-    return True
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _start_ticks(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot (field 22 of /proc/<pid>/stat); None if
+    no such process lives (a zombie has closed its files, its flock with them)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == b"Z" else int(fields[19])
 
 
 class DirectoryLock:
@@ -63,6 +85,7 @@ class DirectoryLock:
         self.directory = directory
         self.path = os.path.join(directory, LOCK_NAME)
         self.fd: int | None = None
+        self._holder: dict = {}
         self._renewer: threading.Thread | None = None
 
     def acquire(self) -> str | None:
@@ -74,18 +97,25 @@ class DirectoryLock:
         os.makedirs(self.directory, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         try:
-            previous = _read(fd)
+            previous, malformed = _read(fd)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as err:
                 if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
                     raise
-                raise DirectoryInUse(f"{self.directory} is in use by another job ({describe(previous)}); "
-                                     "wait for it to end or give this job its own directory") from None
-            previous = _read(fd)  # as the last holder left it
-            takeover = self._judge(previous)
+                if previous:
+                    who = describe(previous)
+                else:
+                    who = f"its lock record is malformed: {malformed}" if malformed else "not named yet"
+                raise self._refusal(f"another job ({who})", "wait for it to end") from None
+            previous, malformed = _read(fd)  # as the last holder left it
+            self._holder = _me()
+            if malformed:
+                takeover = f"taken over from a job that left a malformed lock record ({malformed})"
+            else:
+                takeover = self._judge(previous) if previous else None
             try:
-                self._write(fd, _me())
+                self._write(fd, self._holder)
             except OSError as err:  # a full disk: the flock holds all the same; only the name is missing
                 if err.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
@@ -111,31 +141,48 @@ class DirectoryLock:
             pass
         os.close(fd)
 
-    def _judge(self, previous: dict | None) -> str | None:
-        """We hold the flock: is the last holder gone? Raises DirectoryInUse if it may not be."""
-        if not previous or previous.get("pid") is None:  # new, or released at a normal exit
-            return None
-        me = _me()
-        if previous.get("host") == me["host"] and previous.get("pid") == me["pid"]:
+    def _judge(self, previous: dict) -> str | None:
+        """We hold the flock: is the last holder (a well-formed record) gone? Raises DirectoryInUse if
+        it may not be."""
+        me = self._holder
+        if all(previous.get(key) == me[key] for key in ("host", "pid", "boot_id", "start_ticks")):
             return None
         same_job = (me["slurm_job_id"] and previous.get("slurm_job_id") == me["slurm_job_id"]) or \
             (me["run_id"] and previous.get("run_id") == me["run_id"])
         if same_job:
             return f"taken back from an earlier attempt of this job ({describe(previous)})"
-        if previous.get("host") == me["host"]:
-            if _pid_alive(previous["pid"]) and _cmdline_mentions(previous["pid"], self.directory):
-                raise DirectoryInUse(f"{self.directory} is in use by another job ({describe(previous)}), "
-                                     "which holds no lock but is alive; stop it or give this job its own "
-                                     "directory")
-            return f"taken over from a job that is gone ({describe(previous)}: no such process)"
-        age = time.time() - float(previous.get("renewed") or 0)
+        if previous["host"] == me["host"]:
+            return f"taken over from a job that is gone ({describe(previous)}: {self._gone_here(previous)})"
+        age = max(0.0, time.time() - previous["renewed"])  # a clock a little ahead of ours: just renewed
         if age < LEASE_SECS:
-            raise DirectoryInUse(f"{self.directory} is in use by a job on another host "
-                                 f"({describe(previous)}, lease renewed {age:.0f} s ago); wait for it "
-                                 f"to end (a lease left by a dead job expires after {LEASE_SECS:.0f} s) "
-                                 "or give this job its own directory")
+            raise self._refusal(f"a job on another host ({describe(previous)}, lease renewed {age:.0f} s "
+                                f"ago)", f"wait for it to end (a lease left by a dead job expires after "
+                                f"{LEASE_SECS:.0f} s)")
         expired = age - LEASE_SECS
         return f"taken over from a job whose lease expired {expired:.0f} s ago ({describe(previous)})"
+
+    def _gone_here(self, previous: dict) -> str:
+        """Why a holder on this host whose flock is free is gone; raises DirectoryInUse if the very
+        process the record names is alive all the same (its lock file replaced under it, say)."""
+        pid = previous["pid"]
+        ticks = _start_ticks(pid)
+        if previous.get("start_ticks") is None or previous.get("boot_id") is None:
+            # Written by an earlier version, without the start time to tell that process by: the free
+            # flock is the evidence.
+            return "no such process" if ticks is None else \
+                f"pid {pid} is alive but holds no lock, and the record gives no start time to tell it by"
+        if previous["boot_id"] != self._holder["boot_id"]:
+            return "written before this host last booted"
+        if ticks is None:
+            return "no such process"
+        if ticks != previous["start_ticks"]:
+            return f"pid {pid} is now another process"
+        raise self._refusal(f"another job ({describe(previous)}), alive though it holds no flock on "
+                            f"{LOCK_NAME}", "stop it")
+
+    def _refusal(self, holder: str, advice: str) -> DirectoryInUse:
+        return DirectoryInUse(f"{self.directory} is in use by {holder}; {advice} or give this job its own "
+                              f"directory; if that job is gone, remove {self.path}")
 
     @staticmethod
     def _write(fd: int, holder: dict) -> None:
@@ -147,34 +194,65 @@ class DirectoryLock:
         os.fsync(fd)
 
     def _renew(self) -> None:
-        holder = _me()
         while self.fd is not None:
             time.sleep(LEASE_SECS / 4)
             try:
-                holder["renewed"] = time.time()
+                self._holder["renewed"] = time.time()
                 if self.fd is not None:
-                    self._write(self.fd, holder)
+                    self._write(self.fd, self._holder)
             except OSError:
                 pass  # a full disk: the flock still holds on this host
 
 
-def _read(fd: int) -> dict | None:
+def _read(fd: int) -> tuple[dict | None, str | None]:
+    """The holder the lock file names (None: a new file, or released at a normal exit), or what makes
+    its content no lock record: anyone who may write the directory may have written it."""
     try:
-        raw = os.pread(fd, 4096, 0)
-        holder = json.loads(raw.decode()) if raw.strip() else None
-    except (OSError, ValueError, UnicodeDecodeError):
-        return None
-    return holder if isinstance(holder, dict) else None
+        raw = os.pread(fd, _MAX_RECORD_BYTES + 1, 0)
+    except OSError as err:
+        return None, f"unreadable: {err.strerror or err}"
+    if len(raw) > _MAX_RECORD_BYTES:
+        return None, f"over {_MAX_RECORD_BYTES} bytes"
+    if not raw.strip():
+        return None, None
+    try:
+        record = json.loads(raw.decode())
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None, "not JSON"
+    if isinstance(record, dict) and "pid" not in record and isinstance(record.get("released"), str):
+        return None, None
+    malformed = _malformed(record)
+    return (None, malformed) if malformed else (record, None)
 
 
-def _cmdline_mentions(pid, directory: str) -> bool:
-    """A live pid on this host is a holder only if it is a run on this directory (pids are reused)."""
-    try:
-        with open(f"/proc/{int(pid)}/cmdline", "rb") as f:
-            command = f.read()
-    except (OSError, ValueError):
-        return True  # cannot tell: assume it is
-    return os.path.basename(os.path.abspath(directory)).encode() in command
+def _malformed(record) -> str | None:
+    """What makes a decoded record no holder's record, or None."""
+    if not isinstance(record, dict):
+        return f"{_show(record)} is not a JSON object"
+    pid = record.get("pid")
+    if type(pid) is not int or not 1 <= pid <= _PID_MAX:
+        return f"pid {_show(pid)} is not a process id"
+    renewed = record.get("renewed")
+    if type(renewed) not in (int, float) or not math.isfinite(renewed):
+        return f"renewed {_show(renewed)} is not a time"
+    ahead = renewed - time.time()
+    if ahead > CLOCK_SKEW_SECS:
+        return f"its lease was renewed {ahead:.0f} s in the future"
+    for key in ("host", "started", "slurm_job_id", "run_id", "boot_id"):
+        value = record.get(key)
+        if value is None and key not in ("host", "started"):
+            continue
+        if not (isinstance(value, str) and len(value) <= _MAX_STRING and value.isprintable()):
+            return f"{key} {_show(value)} is not a short printable string"
+    ticks = record.get("start_ticks")
+    if ticks is not None and (type(ticks) is not int or ticks < 0):
+        return f"start_ticks {_show(ticks)} is not a clock tick count"
+    return None
+
+
+def _show(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 _held: list[DirectoryLock] = []
