@@ -3,11 +3,13 @@ publish a finished directory under its final name in one rename."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
-import shutil
 import uuid
+
+from megatron_resil.checkpointing import untrusted
 
 _RENAME_EXCHANGE = 2  # renameat2 flag: swap two paths atomically (Linux >= 3.15)
 _AT_FDCWD = -100
@@ -54,15 +56,6 @@ def replace_file_text(path: str, text: str) -> None:
         f.write(text)
 
 
-def find_symlink(directory: str) -> str | None:
-    """The first symlink under `directory` (relative name), without following any."""
-    for root, dirs, files in os.walk(directory, followlinks=False):
-        for name in sorted(dirs + files):
-            if os.path.islink(os.path.join(root, name)):
-                return os.path.relpath(os.path.join(root, name), directory)
-    return None
-
-
 def atomic_write_text(path: str, text: str) -> None:
     """Replace `path` so a reader sees the old content or the new, never a mix or an empty file."""
     directory = os.path.dirname(os.path.abspath(path))
@@ -106,4 +99,5 @@ def publish_directory(staging: str, final: str, displaced: str) -> None:
         os.rename(final, displaced)
         os.rename(staging, final)
     fsync_dir(parent)
-    shutil.rmtree(displaced, ignore_errors=True)
+    with contextlib.suppress(OSError):  # debris at worst: start-up cleanup removes it later
+        untrusted.remove_tree(displaced)

@@ -20,6 +20,7 @@ import zlib
 
 import google_crc32c  # verifies version 3 manifests (CRC32C)
 
+from megatron_resil.checkpointing import untrusted
 from megatron_resil.checkpointing.atomic import fsync_file
 
 try:
@@ -45,7 +46,7 @@ def extend_checksum(crc: int, chunk, algorithm: str = CHECKSUM) -> int:
 def file_checksum(path: str, algorithm: str = CHECKSUM) -> int:
     extend = _EXTEND[algorithm]
     crc = 0
-    with open(path, "rb", buffering=0) as f:
+    with untrusted.open_regular(path) as f:
         while chunk := f.read(_CHUNK):
             crc = extend(crc, chunk)
     return crc
@@ -127,15 +128,16 @@ def verify_manifest(directory: str, iteration: int | None, *, share: tuple[int, 
         return f"manifest is for iteration {manifest['iteration']}, not {iteration}"
     index, count = share
     for position, (rel, entry) in enumerate(sorted(manifest["files"].items())):
-        full = os.path.join(directory, rel)
         try:
             size, algorithm, crc = _size_and_crc(entry)
         except (KeyError, TypeError, ValueError):
             return f"manifest entry for {rel} unparsable"
-        if os.path.islink(full):  # its size and checksum would be the target's, wherever that is
-            return f"file {rel} is a symlink; a checkpoint is plain files"
-        if not os.path.isfile(full):
+        if not os.path.lexists(os.path.join(directory, rel)) and untrusted.is_plain_relative(rel):
             return f"file {rel} missing"
+        try:  # the manifest names the files: each must lie inside, reached through no link
+            full = untrusted.inside(directory, rel)
+        except untrusted.UntrustedPathError as err:
+            return str(err)
         actual = os.path.getsize(full)
         if actual != size:
             return f"file {rel} has {actual} bytes, manifest says {size}"

@@ -6,11 +6,11 @@ directory out of the `iter_*` namespace, so a crash mid-delete never leaves a pa
 
 from __future__ import annotations
 
+import contextlib
 import os
-import shutil
 
 from megatron_resil import events
-from megatron_resil.checkpointing import layout
+from megatron_resil.checkpointing import layout, untrusted
 from megatron_resil.checkpointing.atomic import fsync_dir
 from megatron_resil.checkpointing.tracker import read_tracker
 
@@ -47,7 +47,8 @@ def apply_retention(root: str, keep_last: int | None, retain_interval: int | Non
             # A checkpoint kept too long costs space, never correctness; the next save tries again.
             events.decision("retention", f"could not delete {path} ({' and '.join(reasons)}): {err}; kept")
             continue
-        shutil.rmtree(doomed_path, ignore_errors=True)  # out of the iter_ namespace: debris at worst
+        with contextlib.suppress(OSError):  # out of the iter_ namespace: debris at worst
+            untrusted.remove_tree(doomed_path)
         events.decision("retention", f"deleted {path}: {' and '.join(reasons)}")
         deleted.append(iteration)
     return deleted

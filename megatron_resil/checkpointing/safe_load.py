@@ -18,10 +18,19 @@ So every read goes through an allow-list:
 the default load planner's `load_bytes`); `GlobalTier.verify` calls `check_checkpoint` before any load,
 so a refused checkpoint is rejected like a corrupt one, and the loader moves on to the next candidate.
 A refusal is one line naming the file and the class it asked for.
+
+The weights-only allow-list is ours, not torch's global one: torch and megatron-core register classes
+whose construction acts on the process (torch's `DeviceMesh` starts a process group; `DTensor` and the
+nested-tensor rebuild build device objects; `io.BytesIO` carries bytes that Transformer Engine unpickles
+in full later), so each read admits only the registered classes a checkpoint needs, and a layer's
+`_extra_state` bytes are themselves unpickled through an allow-list before anything else sees them.
+Every file is opened through `untrusted` (inside the checkpoint, regular, bounded in size).
 """
 
 from __future__ import annotations
 
+import contextlib
+import enum
 import io
 import os
 import pickle
@@ -33,6 +42,7 @@ from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAM
 from torch.distributed.checkpoint import default_planner, filesystem
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
+from megatron_resil.checkpointing import untrusted
 from megatron_resil.checkpointing.tier import CheckpointDataError
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
@@ -90,13 +100,137 @@ def _wanted_class(err: Exception) -> str:
     return found.group(1) if found else f"something it does not allow ({str(err).splitlines()[0][:120]})"
 
 
-def load_weights_only(file, name: str):
-    """torch.load with weights_only=True (explicitly, so TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD cannot turn it
-    off), a refusal as UnsafeCheckpointError."""
+# Of the classes registered with torch.serialization.add_safe_globals (by torch, megatron-core and us),
+# the ones a checkpoint holds: the saved arguments, NumPy RNG states, megatron-core's optimizer config and
+# our rerun state. Enums are admitted too (building one looks up a member). Nothing else, whoever
+# registered it.
+_CHECKPOINT_CLASSES = frozenset({
+    "argparse.Namespace", "types.SimpleNamespace", "pathlib.PosixPath",
+    "numpy.ndarray", "numpy.dtype",
+    "numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct",
+    "megatron.core.optimizer.optimizer_config.OptimizerConfig",
+    "megatron.core.rerun_state_machine.Call", "megatron.core.rerun_state_machine.Caller",
+})
+
+
+def _admitted(registered) -> bool:
+    target = registered[0] if isinstance(registered, tuple) else registered
+    if isinstance(target, type) and issubclass(target, enum.Enum):
+        return True
+    module = getattr(target, "__module__", "")
+    name = f"{module}.{getattr(target, '__qualname__', '')}"
+    return name in _CHECKPOINT_CLASSES or (module == "numpy.dtypes" and name.endswith("DType"))
+
+
+@contextlib.contextmanager
+def _only_checkpoint_classes(extra: tuple = ()):
+    """torch's registered safe globals cut down to `_CHECKPOINT_CLASSES` (plus `extra`) for one read,
+    through torch's public registry functions; restored afterwards."""
+    registered = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    torch.serialization.add_safe_globals([g for g in registered if _admitted(g)] + list(extra))
     try:
-        return torch.load(file, map_location="cpu", weights_only=True)
+        yield
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(registered)
+
+
+def load_weights_only(file, name: str, extra: tuple = ()):
+    """torch.load with weights_only=True (explicitly, so TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD cannot turn it
+    off) and only the classes a checkpoint needs (plus `extra`), a refusal as UnsafeCheckpointError."""
+    try:
+        with _only_checkpoint_classes(extra):
+            return torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         raise _refusal(name, _wanted_class(err)) from None
+
+
+def _is_extra_state(fqn: str) -> bool:
+    return "._extra_state" in fqn or fqn.startswith("_extra_state")
+
+
+class _Opaque:
+    """Stands for a Transformer Engine class while its extra state is only being checked on a host
+    without Transformer Engine: it takes any arguments and state and does nothing."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def __setstate__(self, state) -> None:
+        pass
+
+
+class ExtraStateUnpickler(pickle.Unpickler):
+    """Unpickles a layer's extra state as Transformer Engine pickles it (a dict of tensors, numbers and
+    its recipe dataclasses), nothing else: TE itself reads these bytes with plain `pickle.loads`."""
+
+    _ALLOWED = frozenset({("torch._utils", "_rebuild_tensor_v2"), ("torch", "Size"),
+                          ("collections", "OrderedDict"), ("torch.storage", "_load_from_bytes")})
+
+    def __init__(self, file, name: str) -> None:
+        super().__init__(file)
+        self.name = name
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("torch.storage", "_load_from_bytes"):  # a storage torch.save'd inside
+            return lambda data: load_weights_only(io.BytesIO(data), self.name)
+        if (module, name) in self._ALLOWED or \
+                (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        if module == "transformer_engine.common.recipe":
+            try:
+                found = super().find_class(module, name)
+            except (ImportError, AttributeError):
+                return _Opaque  # no TE here: the structure is checked, nothing of TE is built
+            if isinstance(found, type) and \
+                    (issubclass(found, enum.Enum) or hasattr(found, "__dataclass_fields__")):
+                return found
+        raise _refusal(self.name, f"{module}.{name}")
+
+
+def check_extra_state(value, name: str) -> None:
+    """Raises UnsafeCheckpointError unless `value` (a loaded `_extra_state` item) is None, plain tensors,
+    or bytes that unpickle through the allow-lists (a torch.save archive or TE's pickled dict)."""
+    if value is None:
+        return
+    if isinstance(value, (list, tuple)):
+        for part in value:
+            check_extra_state(part, name)
+        return
+    if isinstance(value, dict):
+        for part in value.values():
+            check_extra_state(part, name)
+        return
+    if isinstance(value, io.BytesIO):
+        payload = value.getvalue()
+    elif isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1:
+        payload = value.numpy().tobytes()
+    elif isinstance(value, torch.Tensor):
+        return
+    else:
+        raise UnsafeCheckpointError(f"{name} holds a {type(value).__name__}, which is no layer's extra state")
+    if not payload:
+        return
+    if payload[:2] == b"PK":  # torch.save's archive
+        check_extra_state(load_weights_only(io.BytesIO(payload), name), name)
+        return
+    try:
+        ExtraStateUnpickler(io.BytesIO(payload), name).load()
+    except UnsafeCheckpointError:
+        raise
+    except Exception as err:  # noqa: BLE001 - whatever else stops it, the bytes are not extra state
+        raise UnsafeCheckpointError(f"{name}: extra state that does not unpickle as a layer's "
+                                    f"({type(err).__name__}: {str(err)[:120]})") from None
+
+
+def load_object_item(data, name: str, fqn: str):
+    """A DCP byte item, read weights-only; a layer's extra state also checked inside."""
+    if not _is_extra_state(fqn):
+        return load_weights_only(data, name)
+    value = load_weights_only(data, name, extra=(io.BytesIO,))  # older TE saves its state as a BytesIO
+    check_extra_state(value, name)
+    return value
 
 
 class _PickleForMetadata:
@@ -117,7 +251,7 @@ def _load_bytes_weights_only(self, read_item, value: io.BytesIO) -> None:
     """DefaultLoadPlanner.load_bytes, with weights_only=True instead of its weights_only=False."""
     storage = getattr(self, "metadata", None) and self.metadata.storage_data.get(read_item.storage_index)
     name = f"{storage.relative_path if storage else 'a .distcp file'} (item {read_item.dest_index.fqn})"
-    loaded = load_weights_only(value, name)
+    loaded = load_object_item(value, name, read_item.dest_index.fqn)
     if self.flatten_state_dict:
         default_planner.set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
     else:
@@ -126,19 +260,19 @@ def _load_bytes_weights_only(self, read_item, value: io.BytesIO) -> None:
 
 class CommonLoadWeightsOnly(TorchCommonLoadStrategy):
     """megatron-core's common.pt reader with weights_only=True stated (its own call leaves it to torch's
-    default, which an environment variable can turn off)."""
+    default, which an environment variable can turn off), through `untrusted`."""
 
     def load_common(self, checkpoint_dir):
         path = os.path.join(str(checkpoint_dir), COMMON_STATE_FNAME)
-        with open(path, "rb") as f:
+        with untrusted.open_regular(path, untrusted.MAX_COMMON_BYTES, "common.pt") as f:
             return load_weights_only(f, path)
 
     def load_sharded_objects(self, sharded_objects_state_dict, checkpoint_dir):
         """The sharded objects a format without its own object storage (zarr) keeps as `<key>/<shard>.pt`."""
         def load(sharded_object):
-            path = os.path.join(str(checkpoint_dir), f"{sharded_object.unique_key}.pt")
-            with open(path, "rb") as f:
-                return load_weights_only(f, path)
+            path = untrusted.inside(str(checkpoint_dir), f"{sharded_object.unique_key}.pt")
+            with untrusted.open_regular(path, untrusted.MAX_OBJECT_BYTES, "object file") as f:
+                return load_object_item(f, path, sharded_object.key)
         return dict_list_map_inplace(load, sharded_objects_state_dict)
 
 
@@ -147,32 +281,58 @@ def install() -> None:
     default_planner.DefaultLoadPlanner.load_bytes = _load_bytes_weights_only
 
 
+def _check_items(path: str, metadata: Metadata) -> None:
+    """Every storage entry of `.metadata` names a regular file inside `path` and a byte range within
+    it, checked before any of them is read; then every byte item is read through the allow-lists."""
+    sizes: dict[str, int] = {}
+    for index, stored in metadata.storage_data.items():
+        relative = getattr(stored, "relative_path", None)
+        if relative not in sizes:
+            file = untrusted.inside(path, relative, shown_as=f"{relative} (for item {index.fqn})")
+            sizes[relative] = os.lstat(file).st_size
+        offset, length = getattr(stored, "offset", None), getattr(stored, "length", None)
+        if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset
+                and 0 <= length <= sizes[relative] - offset):
+            raise untrusted.UntrustedPathError(
+                f"{os.path.join(path, relative)}: item {index.fqn} is said to lie at bytes {offset}+{length} "
+                f"of a file of {sizes[relative]}")
+    for index, stored in metadata.storage_data.items():
+        if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+            continue
+        file = os.path.join(path, stored.relative_path)
+        if stored.length > untrusted.MAX_OBJECT_BYTES:
+            raise untrusted.OversizedFileError(
+                f"{file}: item {index.fqn} has {stored.length} bytes, more than any object item can have "
+                f"({untrusted.MAX_OBJECT_BYTES}); refused without reading it")
+        with untrusted.open_regular(file) as f:
+            f.seek(stored.offset)
+            load_object_item(io.BytesIO(f.read(stored.length)), f"{file} (item {index.fqn})", index.fqn)
+
+
 def check_checkpoint(path: str, backend: str = "torch_dist") -> str | None:
-    """Reads every pickled object of a checkpoint through the allow-lists, without loading any tensor:
-    None if all of it is plain data, else the refusal (the first file and class) or why it is unreadable."""
+    """Reads every pickled object of a checkpoint through the allow-lists, without loading any tensor,
+    after checking that every file it names lies inside it: None if all of it is plain data, else the
+    refusal (the first file and class) or why it is unreadable."""
     try:
         if backend != "torch_dist":  # zarr: common.pt and the sharded objects' .pt files
-            for directory, _, files in os.walk(path):
-                for name in sorted(f for f in files if f.endswith(".pt")):
-                    with open(os.path.join(directory, name), "rb") as f:
-                        load_weights_only(f, os.path.join(directory, name))
+            for relative in untrusted.regular_files(path):
+                if relative.endswith(".pt"):
+                    file = os.path.join(path, relative)
+                    limit = untrusted.MAX_COMMON_BYTES if relative == COMMON_STATE_FNAME else \
+                        untrusted.MAX_OBJECT_BYTES
+                    with untrusted.open_regular(file, limit, relative) as f:
+                        load_object_item(f, file, relative[:-len(".pt")])
             return None
-        with open(os.path.join(path, filesystem._metadata_fn), "rb") as f:
-            metadata = load_metadata(f, os.path.join(path, filesystem._metadata_fn))
-        if os.path.exists(os.path.join(path, COMMON_STATE_FNAME)):
-            with open(os.path.join(path, COMMON_STATE_FNAME), "rb") as f:
-                load_weights_only(f, os.path.join(path, COMMON_STATE_FNAME))
-        for index, stored in metadata.storage_data.items():
-            if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
-                continue
-            file = os.path.join(path, stored.relative_path)
-            with open(file, "rb") as f:
-                f.seek(stored.offset)
-                load_weights_only(io.BytesIO(f.read(stored.length)), f"{file} (item {index.fqn})")
-    except UnsafeCheckpointError as err:
+        metadata_path = os.path.join(path, filesystem._metadata_fn)
+        with untrusted.open_regular(metadata_path, untrusted.MAX_METADATA_BYTES, "DCP .metadata") as f:
+            metadata = load_metadata(f, metadata_path)
+        if os.path.lexists(os.path.join(path, COMMON_STATE_FNAME)):
+            CommonLoadWeightsOnly().load_common(path)
+        _check_items(path, metadata)
+    except CheckpointDataError as err:
         return str(err)
     except (OSError, EOFError, pickle.UnpicklingError, RuntimeError, ValueError, TypeError,
-            AttributeError) as err:
+            AttributeError, MemoryError, RecursionError) as err:
         first_line = (str(err).splitlines() or [""])[0][:200]
         return f"unreadable object data: {type(err).__name__}: {first_line}"
     return None

@@ -21,9 +21,10 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTenso
 from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
 from nvidia_resiliency_ext.checkpointing.local.base_state_dict import TensorAwareStateDict
 
+from megatron_resil.checkpointing import safe_load, untrusted
 from megatron_resil.checkpointing.manifest import extend_checksum
 
-_SAFE_CLASSES = [MCoreTensorAwareStateDict, ShardedTensor, ShardedObject]
+_SAFE_CLASSES = (MCoreTensorAwareStateDict, ShardedTensor, ShardedObject)
 
 
 def crc32_of(data) -> int:
@@ -61,7 +62,7 @@ class _BufferReader(io.RawIOBase):
 
 def read_payload(path) -> torch.Tensor:
     """A file's bytes as a uint8 tensor, read once into memory of its own."""
-    with open(path, "rb", buffering=0) as f:
+    with untrusted.open_regular(str(path)) as f:  # a FIFO planted in the local directory must not block
         buffer = bytearray(os.fstat(f.fileno()).st_size)
         view, done = memoryview(buffer), 0
         while done < len(buffer) and (n := f.readinto(view[done:])):
@@ -105,8 +106,9 @@ class SealedShard(TensorAwareStateDict):
         return None
 
     def unseal(self) -> MCoreTensorAwareStateDict:
-        with torch.serialization.safe_globals(_SAFE_CLASSES):
-            state = torch.load(_BufferReader(self.payload.numpy()), weights_only=True)
+        state = safe_load.load_weights_only(_BufferReader(self.payload.numpy()),
+                                            f"the local shard of rank {self.meta.get('owner')}",
+                                            extra=_SAFE_CLASSES)
         state.restore_tensor_device(non_blocking=False)
         return state
 

@@ -1,0 +1,275 @@
+"""A checkpoint directory is untrusted input, path by path: whatever a checkpoint names (DCP's storage
+entries, the manifest's files) stays inside it, a link or a FIFO anywhere in it is refused before it is
+opened, what is read whole is bounded, and a layer's extra state is no way around the allow-list.
+
+Each case builds the checkpoint for real (a FIFO outside with no writer, so an `open` of it would block
+forever, a real symlink, a crafted pickle) and checks that verification refuses it by name, quickly."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import resource
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from tests import launch
+from tests.test_safe_load import V0_1, _metadata, _Planted
+
+ITERATION = 2
+
+
+def _verify(ckpt: Path, timeout: float = 20.0) -> str | None:
+    """GlobalTier.verify of `ckpt` (rank 0 of 1), in a thread, so a read that blocks fails the test
+    instead of hanging it."""
+    from megatron_resil.checkpointing.global_tier import GlobalTier
+    from megatron_resil.checkpointing.tier import TierCandidate
+    found: dict = {}
+
+    def run():
+        found["reason"] = GlobalTier(str(ckpt.parent)).verify(
+            TierCandidate("persistent", ITERATION, str(ckpt)))
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(timeout)
+    assert not worker.is_alive(), f"verifying {ckpt} blocked"
+    return found["reason"]
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    ckpt = tmp_path / "ckpt" / f"iter_{ITERATION:07d}"
+    shutil.copytree(V0_1, ckpt)
+    return ckpt
+
+
+def _point_item_at(ckpt: Path, relative_path: str, tensors: bool = True) -> str:
+    """Rewrites .metadata so every item of one .distcp file (tensor items or byte items) is read from
+    `relative_path`, and drops the manifest: a checkpoint "written by Megatron-LM"."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    metadata = _metadata(ckpt)
+    for index, info in list(metadata.storage_data.items()):
+        is_bytes = isinstance(metadata.state_dict_metadata[index.fqn], BytesStorageMetadata)
+        if info.relative_path == "__1_1.distcp" and is_bytes != tensors:
+            metadata.storage_data[index] = _StorageInfo(relative_path, info.offset, info.length,
+                                                        info.transform_descriptors)
+    with open(ckpt / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    (ckpt / "resil_manifest.json").unlink()
+    return "__1_1.distcp"
+
+
+def test_an_untouched_checkpoint_verifies(checkpoint):
+    assert _verify(checkpoint) is None
+
+
+@pytest.mark.parametrize("how", ["absolute", "dotdot"])
+def test_a_storage_entry_pointing_at_a_fifo_outside_is_refused_without_opening_it(checkpoint, tmp_path, how):
+    fifo = tmp_path / "outside.fifo"
+    os.mkfifo(fifo)  # no writer: opening it for reading would block forever
+    named = str(fifo) if how == "absolute" else "../../outside.fifo"
+    _point_item_at(checkpoint, named)
+    reason = _verify(checkpoint)
+    assert reason is not None and named in reason and "not a path inside it" in reason, reason
+
+
+def test_outside_bytes_do_not_pass_even_with_a_manifest_regenerated_over_them(checkpoint, tmp_path):
+    """An attacker who can write the checkpoint can write its manifest too."""
+    from megatron_resil.checkpointing.manifest import write_manifest
+    other = tmp_path / "other"
+    shutil.copytree(V0_1, other)
+    _point_item_at(checkpoint, "../../other/__1_1.distcp")
+    write_manifest(str(checkpoint), ITERATION, "torch_dist")
+    reason = _verify(checkpoint)
+    assert reason is not None and "../../other/__1_1.distcp" in reason, reason
+
+
+def test_a_manifest_naming_a_file_outside_is_refused(checkpoint, tmp_path):
+    import json
+    (tmp_path / "secret").write_text("another team's shard")
+    manifest = json.loads((checkpoint / "resil_manifest.json").read_text())
+    manifest["files"]["../../secret"] = {"size": 20, "crc32": 0}
+    (checkpoint / "resil_manifest.json").write_text(json.dumps(manifest))
+    reason = _verify(checkpoint)
+    assert reason is not None and "../../secret" in reason and "not a path inside it" in reason, reason
+
+
+@pytest.mark.parametrize("name", ["common.pt", "__0_0.distcp"])
+def test_a_fifo_inside_is_refused_by_verify_and_by_ckpt_verify(checkpoint, name):
+    (checkpoint / name).unlink()
+    os.mkfifo(checkpoint / name)
+    reason = _verify(checkpoint)
+    assert reason is not None and f"a FIFO, {name}" in reason, reason
+    tool = subprocess.run([sys.executable, "-m", "megatron_resil.tools.ckpt", "verify",
+                           str(checkpoint.parent)],
+                          env=launch.env(), cwd=launch.REPO, capture_output=True, text=True, timeout=60)
+    assert tool.returncode == 1 and f"a FIFO, {name}" in tool.stdout + tool.stderr, tool.stdout + tool.stderr
+
+
+def test_an_iteration_directory_that_is_a_link_is_refused_and_quarantine_renames_only_the_link(tmp_path):
+    from megatron_resil.checkpointing import layout
+    from megatron_resil.checkpointing.global_tier import GlobalTier
+    from megatron_resil.checkpointing.tier import TierCandidate
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(V0_1, elsewhere)
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    (root / f"iter_{ITERATION:07d}").symlink_to(elsewhere)
+    assert _verify(root / f"iter_{ITERATION:07d}") is not None
+    tier = GlobalTier(str(root))
+    candidate = TierCandidate("persistent", ITERATION, str(root / f"iter_{ITERATION:07d}"))
+    reason = tier.verify(candidate)
+    assert "is a symlink to" in reason, reason
+    tier.quarantine(candidate, reason)
+    (moved,) = layout.quarantined(str(root))
+    assert os.path.islink(moved) and ".quarantined.link." in moved
+    assert sorted(os.listdir(elsewhere)) == sorted(os.listdir(V0_1))  # nothing written into the target
+
+
+def test_a_link_deep_inside_is_refused(checkpoint, tmp_path):
+    (checkpoint / "a" / "b").mkdir(parents=True)
+    (checkpoint / "a" / "b" / "c").symlink_to(tmp_path)
+    reason = _verify(checkpoint)
+    assert reason is not None and "a symlink, a/b/c" in reason, reason
+
+
+def test_a_tree_deeper_than_any_checkpoint_is_refused(checkpoint):
+    deep = checkpoint
+    for _ in range(40):
+        deep = deep / "d"
+    deep.mkdir(parents=True)
+    reason = _verify(checkpoint)
+    assert reason is not None and "directories deep" in reason, reason
+
+
+def _plant_common(ckpt: Path, value) -> None:
+    import torch
+    common = torch.load(ckpt / "common.pt", weights_only=False)  # the test's own, trusted copy
+    common["planted"] = value
+    torch.save(common, ckpt / "common.pt")
+    (ckpt / "resil_manifest.json").unlink()
+
+
+class _ActsOnBuild:
+    """Unpickles as a call of `target(*args)`: a registered class whose constructor acts."""
+
+    def __init__(self, target, args) -> None:
+        self.target, self.args = target, args
+
+    def __reduce__(self):
+        return self.target, self.args
+
+
+def test_registered_classes_whose_construction_acts_are_not_admitted(checkpoint):
+    from torch.distributed.device_mesh import DeviceMesh
+    _plant_common(checkpoint, _ActsOnBuild(DeviceMesh, ("cpu", [0])))
+    reason = _verify(checkpoint)  # before, the constructor ran: it tried to start a process group
+    assert reason is not None and "common.pt" in reason and "refused without running it" in reason, reason
+
+
+def test_bytesio_is_not_admitted_in_common_pt(checkpoint):
+    _plant_common(checkpoint, io.BytesIO(b"bytes for someone's torch.load"))
+    reason = _verify(checkpoint)
+    assert reason is not None and "BytesIO" in reason, reason
+
+
+def _plant_extra_state(ckpt: Path, value) -> str:
+    """Replaces a layer's `_extra_state` byte item with torch.save(value), keeping .metadata in step."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    metadata = _metadata(ckpt)
+    index, stored = next((i, s) for i, s in metadata.storage_data.items() if "._extra_state" in i.fqn)
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    new = buffer.getvalue()
+    file = ckpt / stored.relative_path
+    data = file.read_bytes()
+    file.write_bytes(data[:stored.offset] + new + data[stored.offset + stored.length:])
+    shift = len(new) - stored.length
+    for other, info in list(metadata.storage_data.items()):
+        if info.relative_path == stored.relative_path and info.offset > stored.offset:
+            metadata.storage_data[other] = _StorageInfo(info.relative_path, info.offset + shift, info.length,
+                                                        info.transform_descriptors)
+    metadata.storage_data[index] = _StorageInfo(stored.relative_path, stored.offset, len(new),
+                                                stored.transform_descriptors)
+    with open(ckpt / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    (ckpt / "resil_manifest.json").unlink(missing_ok=True)
+    return index.fqn
+
+
+def _as_uint8(data: bytes):
+    import torch
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("form", ["pickle-in-tensor", "torch-save-in-bytesio"])
+def test_extra_state_carrying_a_pickle_is_refused_and_never_runs(checkpoint, tmp_path, form):
+    """Transformer Engine unpickles these bytes with plain pickle.loads (or torch.load of a BytesIO)."""
+    import torch
+    marker = tmp_path / "code_ran"
+    if form == "pickle-in-tensor":
+        value = [_as_uint8(pickle.dumps(_Planted(marker)))]
+    else:
+        inner = io.BytesIO()
+        torch.save(_Planted(marker), inner)
+        value = [io.BytesIO(inner.getvalue())]
+    fqn = _plant_extra_state(checkpoint, value)
+    reason = _verify(checkpoint)
+    assert reason is not None and fqn in reason and "system" in reason, reason
+    assert not marker.exists()
+
+
+def test_a_genuine_transformer_engine_extra_state_still_verifies(checkpoint):
+    """What TE 2.x writes: pickle.dumps of a dict of fp8 scaling tensors and numbers, as a uint8 tensor."""
+    import torch
+    state = {"scale_fwd": torch.ones(3), "amax_history_fwd": torch.zeros(16, 3), "scale_bwd": torch.ones(2),
+             "amax_history_bwd": torch.zeros(16, 2), "global_fp8_buffer_pos_fwd": 0, "extra_fp8_variables":
+             {"num_gemms": 1, "first_module": True}}
+    _plant_extra_state(checkpoint, [_as_uint8(pickle.dumps(state))])
+    assert _verify(checkpoint) is None
+
+
+def test_an_oversized_metadata_is_refused_without_reading_it(checkpoint):
+    """A 1.5 GiB sparse .metadata: before, every rank read all of it into memory first."""
+    with open(checkpoint / ".metadata", "r+b") as f:
+        f.truncate(3 << 29)
+    (checkpoint / "resil_manifest.json").unlink()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    reason = _verify(checkpoint)
+    grew_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert reason is not None and "refused without reading it" in reason, reason
+    assert grew_kib < 256 * 1024, f"resident memory grew by {grew_kib} KiB"
+    from megatron_resil.checkpointing.global_tier import _slug
+    assert _slug(reason) == "oversized"
+
+
+def test_removing_a_leftover_of_any_depth_follows_no_link(tmp_path):
+    """A `.tmp_iter_*` 1,500 directories deep ended start-up cleanup with RecursionError on every restart."""
+    from megatron_resil.checkpointing.untrusted import remove_tree
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("not ours to delete")
+    leftover = tmp_path / ".tmp_iter_0000004_0123456789ab"
+    leftover.mkdir()
+    fd = os.open(leftover, os.O_RDONLY)
+    try:
+        for _ in range(1500):  # by file descriptor: the full path would pass PATH_MAX
+            os.mkdir("d", dir_fd=fd)
+            (fd, parent) = (os.open("d", os.O_RDONLY, dir_fd=fd), fd)
+            os.close(parent)
+        os.symlink(str(outside), "link", dir_fd=fd)
+        with open(os.open("file", os.O_WRONLY | os.O_CREAT, dir_fd=fd), "w") as f:
+            f.write("x")
+    finally:
+        os.close(fd)
+    remove_tree(str(leftover))
+    assert not leftover.exists()
+    assert (outside / "keep").read_text() == "not ours to delete"
