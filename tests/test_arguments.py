@@ -378,3 +378,16 @@ def test_load_missing_directory_is_fine(tmp_path: Path) -> None:
     args = parse_args(build_argv(tmp, set_={"--load": "{tmp}/nothing_here"}), world_size=1)
     assert args.load == str(tmp / "nothing_here")
     _assert_nothing_created(tmp)
+
+
+def test_zarr_with_distributed_optimizer_is_refused_up_front(tmp_path: Path, capsys) -> None:
+    """It used to fail at the first save (exit 4, "offset ... is not on a chunk boundary")."""
+    tmp = _scratch(tmp_path)
+    argv = build_argv(tmp, set_={"--ckpt-format": "zarr"}, extra=("--use-distributed-optimizer",))
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv, world_size=2)
+    assert exc.value.code == 2
+    _assert_one_line_naming(capsys.readouterr().err, ("--ckpt-format zarr", "--use-distributed-optimizer",
+                                                      "torch_dist"))
+    _assert_nothing_created(tmp)
+    parse_args(build_argv(tmp, set_={"--ckpt-format": "zarr"}), world_size=2)  # zarr alone is fine

@@ -1,5 +1,6 @@
 """The zarr strategy against real files and real tensorstore: round trip through megatron's
-dist_checkpointing, reading with plain tensorstore, corrupted chunks, and two gloo ranks."""
+dist_checkpointing, reading with plain tensorstore, corrupted chunks, malformed metadata, and two
+gloo ranks."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +22,13 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
 from megatron.core.dist_checkpointing.mapping import CheckpointingException
 
-from megatron_resil.checkpointing.zarr_strategy import ZarrSaveShardedStrategy, array_name, register
+from megatron_resil.checkpointing.tier import CheckpointDataError
+from megatron_resil.checkpointing.zarr_strategy import (
+    ZarrSaveShardedStrategy,
+    array_name,
+    check_metadata,
+    register,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -145,6 +153,104 @@ def test_damaged_chunk_fails_the_load(tmp_path, how):
     assert "model.w2d" in message and "c/0/0" in message
     if how == "flip":
         assert "crc32c" in message and "Digest mismatch" in message
+
+
+def _check_within(ckpt: Path, seconds: float = 30) -> str | None:
+    """check_metadata, failing the test instead of hanging it (a FIFO opened for reading blocks)."""
+    outcome: list = []
+    worker = threading.Thread(target=lambda: outcome.append(check_metadata(str(ckpt))), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert not worker.is_alive(), f"check_metadata({ckpt}) still running after {seconds} s"
+    return outcome[0]
+
+
+def _edit_metadata(ckpt: Path, edit) -> Path:
+    path = ckpt / array_name("model/w2d") / "zarr.json"
+    meta = json.loads(path.read_text())
+    edit(meta)
+    path.write_text(json.dumps(meta))
+    return path
+
+
+def _chunk_shape(meta: dict, shape: list) -> None:
+    meta["chunk_grid"]["configuration"]["chunk_shape"] = shape
+
+
+MALFORMED = {  # as found in issue 22: exit 3 (a "model mismatch") or a SIGABRT in tensorstore
+    "chunk-shape-0": (lambda m: _chunk_shape(m, [0, 4]), "not a list of positive integers"),
+    "negative-shape": (lambda m: m.update(shape=[-6, 4]), "non-negative integers"),
+    "dtype-float128": (lambda m: m.update(data_type="float128"), "data_type 'float128'"),
+    "chunk-2**40": (lambda m: _chunk_shape(m, [2**40, 4]), "larger than shape [6, 4]"),
+    "chunk-rank-differs": (lambda m: _chunk_shape(m, [6]), "does not have the rank"),
+    "key-names-another-dir": (lambda m: m["attributes"].update(megatron_key="model/bias"), "megatron_key"),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_malformed_metadata_is_refused_as_bad_data(tmp_path, case):
+    ckpt, _ = _save(tmp_path)
+    assert _check_within(ckpt) is None  # what our save writes passes
+    edit, why = MALFORMED[case]
+    path = _edit_metadata(ckpt, edit)
+    reason = _check_within(ckpt)
+    assert reason is not None and str(path) in reason and why in reason, reason
+    assert "\n" not in reason
+    # The load checks again before tensorstore sees the file: the loader's "bad data", so it falls back.
+    with pytest.raises(CheckpointDataError, match="zarr.json"):
+        _load(ckpt)
+
+
+def test_metadata_tensorstore_refuses_is_bad_data_too(tmp_path):
+    # A fill value is tensorstore's to judge: its refusal must still read as bad data, not as a mismatch.
+    ckpt, _ = _save(tmp_path)
+    _edit_metadata(ckpt, lambda m: m.update(fill_value="not a number"))
+    with pytest.raises(CheckpointDataError, match="tensorstore cannot open"):
+        _load(ckpt)
+
+
+def test_fifo_metadata_is_refused_without_opening_it(tmp_path):
+    ckpt, _ = _save(tmp_path)
+    path = ckpt / array_name("model/w2d") / "zarr.json"
+    path.unlink()
+    os.mkfifo(path)
+    reason = _check_within(ckpt)
+    assert reason is not None and f"a FIFO, {path.relative_to(ckpt)}" in reason, reason
+    with pytest.raises(CheckpointDataError, match="FIFO"):
+        _load(ckpt)
+
+
+def test_symlinked_metadata_is_refused_without_following_it(tmp_path):
+    ckpt, _ = _save(tmp_path)
+    path = ckpt / array_name("model/w2d") / "zarr.json"
+    outside = tmp_path / "outside.json"
+    outside.write_bytes(path.read_bytes())  # valid metadata: following the link would accept it
+    path.unlink()
+    path.symlink_to(outside)
+    reason = _check_within(ckpt)
+    assert reason is not None and f"a symlink, {path.relative_to(ckpt)}" in reason, reason
+
+
+def test_oversized_and_non_json_metadata_are_refused(tmp_path):
+    ckpt, _ = _save(tmp_path)
+    path = ckpt / array_name("model/w2d") / "zarr.json"
+    path.write_bytes(b"[" * 100_000 + b"]" * 100_000)  # deeper than json's recursion limit
+    assert f"{path}: not valid JSON (RecursionError" in _check_within(ckpt)
+    path.write_bytes(b"\xff{}")
+    assert f"{path}: not valid JSON (UnicodeDecodeError" in _check_within(ckpt)
+    path.write_bytes(b" " * (2 << 20))
+    assert f"{path} has {2 << 20} bytes, more than" in _check_within(ckpt)
+
+
+def test_relative_checkpoint_dir(tmp_path, monkeypatch):
+    # tensorstore refuses a path with a ".." in it; --save and --load may have one.
+    (tmp_path / "run").mkdir()
+    monkeypatch.chdir(tmp_path / "run")
+    (tmp_path / "ckpt").mkdir()
+    dist_checkpointing.save(_state(_tensors()), "../ckpt", sharded_strategy=ZarrSaveShardedStrategy())
+    assert check_metadata("../ckpt") is None
+    loaded = _load(Path("../ckpt"))
+    assert all(torch.equal(loaded[name], t) for name, t in _tensors().items())
 
 
 _TWO_RANKS = """

@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ckpt-format", choices=MEGATRON_FORMATS, default="torch_dist",
                    help="what global checkpoints are written in: torch_dist, or zarr (zarr v3 through "
                         "tensorstore, one array per tensor, readable outside PyTorch; synchronous saves "
-                        "only). Loading reads either.")
+                        "only, not with --use-distributed-optimizer). Loading reads either.")
     g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
                    help="save the distributed optimizer's state fully reshardable (any data-parallel "
                         "size, gathered per parameter); default: dp_reshardable (each rank's buffer shard)")
@@ -128,6 +128,11 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     if args.async_save and args.ckpt_format != "torch_dist":
         raise ArgumentError(f"--async-save works with --ckpt-format torch_dist only (as in Megatron), not "
                             f"{args.ckpt_format}; drop --async-save or use torch_dist")
+    # The distributed optimizer saves each rank's buffer as pieces of uneven sizes under one key, which
+    # a zarr array's regular chunk grid cannot hold: refused here rather than at the first save.
+    if args.ckpt_format == "zarr" and args.use_distributed_optimizer:
+        raise ArgumentError("--ckpt-format zarr cannot save the state of --use-distributed-optimizer; use "
+                            "--ckpt-format torch_dist, or drop --use-distributed-optimizer")
     if args.async_save_timeout_secs <= 0:
         raise ArgumentError("--async-save-timeout-secs must be positive")
     if args.async_save_max_failures < 1:

@@ -20,9 +20,15 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_resil import events, launcher_watch, parallel
-from megatron_resil.checkpointing import dcp_writer, layout, safe_load, shard_writer, zarr_strategy
+from megatron_resil.checkpointing import (
+    dcp_writer,
+    layout,
+    safe_load,
+    shard_writer,
+    untrusted,
+    zarr_strategy,
+)
 from megatron_resil.checkpointing.atomic import (
-    find_symlink,
     fsync_dir,
     fsync_tree,
     publish_directory,
@@ -101,12 +107,15 @@ class GlobalTier(CheckpointTier):
 
     def verify(self, candidate: TierCandidate) -> str | None:
         path = candidate.path
+        if os.path.islink(path):  # its files would be wherever the link points, outside this directory
+            return f"is a symlink to {os.readlink(path)}; a checkpoint is a directory of its own"
         if not os.path.isdir(path):
             return "directory missing"
+        # Sizes and checksums would be of a link's target; a FIFO would block the first read of it.
+        if (irregular := untrusted.find_irregular(path)) is not None:
+            return irregular
         # What marks a checkpoint complete when it has no manifest: DCP's .metadata, written last
         # (torch_dist), or megatron-core's metadata.json, written after the strategy returned (zarr).
-        if (link := find_symlink(path)) is not None:  # sizes and checksums would be of its target
-            return f"holds a symlink, {link}; a checkpoint is plain files"
         backend = _sharded_backend(path) or "torch_dist"
         marker = ".metadata" if backend == "torch_dist" else "metadata.json"
         if not os.path.isfile(os.path.join(path, marker)):
@@ -122,14 +131,16 @@ class GlobalTier(CheckpointTier):
                                      share=(parallel.rank(), world), checksums=self.verify_checksums)
             if reason is not None:
                 return reason
-        # Checksums cannot vouch for what the bytes ask an unpickler to do: whoever wrote them could
-        # have written the manifest.
+        # Checksums cannot vouch for what the bytes ask an unpickler to do, nor for the paths and shapes
+        # they name: whoever wrote them could have written the manifest.
+        if backend == "zarr" and (reason := zarr_strategy.check_metadata(path)) is not None:
+            return reason
         return safe_load.check_checkpoint(path, backend)
 
     def quarantine(self, candidate: TierCandidate, reason: str) -> None:
         """Rank 0 moves a rejected checkpoint aside; an error there is logged, never raised, so every
         rank reaches the barrier and the loader moves on to the next candidate together."""
-        if parallel.is_rank0() and os.path.isdir(candidate.path) and \
+        if parallel.is_rank0() and os.path.lexists(candidate.path) and \
                 os.path.basename(candidate.path) != layout.RELEASE_DIR:
             self._move_aside(candidate, reason)
         _barrier()
@@ -141,8 +152,10 @@ class GlobalTier(CheckpointTier):
             return
         try:
             target = layout.new_quarantine_dir(self.root, candidate.iteration, _slug(reason))
-            os.rename(candidate.path, target)
-            replace_file_text(os.path.join(target, "QUARANTINE_REASON.txt"), reason + "\n")
+            is_link = os.path.islink(candidate.path)
+            os.rename(candidate.path, target)  # a link is renamed itself; its target is left alone
+            if not is_link:  # written into a link, the reason would land in the directory it points to
+                replace_file_text(os.path.join(target, "QUARANTINE_REASON.txt"), reason + "\n")
             fsync_dir(self.root)
         except OSError as err:
             events.decision("quarantine", f"could not move {candidate.path} aside ({err.strerror or err}); "
@@ -340,7 +353,10 @@ class GlobalTier(CheckpointTier):
 
 
 def _rmtree(path: str) -> None:
-    shutil.rmtree(path)
+    if os.path.islink(path):  # a leftover's name on a link: remove the link, never what it points to
+        os.unlink(path)
+    else:
+        untrusted.remove_tree(path)
     if os.path.lexists(path):
         raise OSError(f"{path} is still there")
 
@@ -402,7 +418,11 @@ def _sharded_backend(path: str) -> str | None:
 
 
 def _slug(reason: str) -> str:
-    for word, slug in (("checksum", "checksum"), ("bytes", "truncated"), ("missing", "missing"),
+    for word, slug in (("checksum", "checksum"), ("refused without reading", "oversized"),
+                       ("symlink", "link"), ("FIFO", "not-a-file"), ("device", "not-a-file"),
+                       ("socket", "not-a-file"), ("inside it", "outside"),
+                       ("deep", "too-deep"), ("entries", "too-many"), ("unpickle", "unsafe"),
+                       ("extra state", "unsafe"), ("bytes", "truncated"), ("missing", "missing"),
                        ("manifest", "manifest"), ("metadata", "incomplete")):
         if word in reason:
             return slug

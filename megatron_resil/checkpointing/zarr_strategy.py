@@ -11,6 +11,12 @@ files: one zarr v3 array directory per ShardedTensor key, named by `array_name(k
 holding `zarr.json` (shape = global shape, chunk shape = local shape, the original key in
 attributes.megatron_key) and one file per local shard at `c/<i>/<j>/...` (chunk-grid index).
 Rank 0 creates every array; each rank then writes the chunks it holds as main replica.
+
+A checkpoint is untrusted input, and tensorstore trusts its metadata (a chunk shape of 2**40 makes it
+abort the process allocating the chunk): `check_metadata` vets every array's zarr.json, and through
+untrusted.py that the tree holds only plain files and directories, before tensorstore sees any of it.
+Load runs it first and turns what bad data causes into CheckpointDataError, so the loader rejects the
+checkpoint and falls back to an older one instead of reporting a model mismatch.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 from pathlib import Path
 
 import ml_dtypes
@@ -34,6 +41,7 @@ from megatron.core.dist_checkpointing.strategies.base import (
     register_default_strategy,
 )
 
+from megatron_resil.checkpointing import untrusted
 from megatron_resil.checkpointing.tier import CheckpointDataError
 
 BACKEND, VERSION = "zarr", 1
@@ -43,10 +51,27 @@ _RESERVED = {"", ".", "..", "common.pt", "metadata.json"}
 _ML_DTYPES = {torch.bfloat16: ml_dtypes.bfloat16, torch.float8_e4m3fn: ml_dtypes.float8_e4m3fn,
               torch.float8_e5m2: ml_dtypes.float8_e5m2}
 _SAME_SIZE_INT = {1: (torch.int8, np.int8), 2: (torch.int16, np.int16)}
+# What a save writes and a load accepts: the dtypes of megatron's model and optimizer state that both
+# torch and zarr3 name alike, with their item sizes (data_type names the torch dtype on load).
+_ITEM_SIZES = {name: getattr(torch, name).itemsize for name in (
+    "bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64",
+    "float8_e4m3fn", "float8_e5m2")}
+# Bounds on untrusted metadata. tensorstore allocates a whole chunk to decode it, so a chunk is bounded
+# in bytes; 16 GiB is far above any shard a run writes (Llama-3-8B's fp32 embedding at TP=1 is 2.1 GB).
+_MAX_METADATA_BYTES = 1 << 20
+_MAX_CHUNK_BYTES = 1 << 34
+_MAX_RANK, _MAX_ELEMENTS = 32, 1 << 62  # tensorstore's own limits
+_BYTES_CODECS = ({"name": "bytes", "configuration": {"endian": "little"}},
+                 {"name": "bytes"})  # tensorstore leaves out the endianness of 1-byte types
 
 
 class ChunkDataError(CheckpointingException, CheckpointDataError):
     """A chunk that is missing or fails tensorstore's crc32c check: bad data, not a model mismatch."""
+
+
+class ArrayMetadataError(CheckpointingException, CheckpointDataError):
+    """A zarr.json (or a file beside it) that is malformed or not what this strategy writes: bad data,
+    not a model mismatch."""
 
 
 def array_name(key: str) -> str:
@@ -55,7 +80,107 @@ def array_name(key: str) -> str:
 
 
 def _ts_spec(path: Path, **extra) -> dict:
-    return {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)}, **extra}
+    # tensorstore's file kvstore refuses a path with "." or ".." in it, as a relative --save may have.
+    return {"driver": "zarr3", "kvstore": {"driver": "file", "path": os.path.abspath(path)}, **extra}
+
+
+def _short(value) -> str:
+    """An untrusted value in a one-line reason: never the whole of a 1 MiB file."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _int_list(value, least: int) -> bool:
+    """A list of at most _MAX_RANK integers (JSON's true and false are not), each at least `least`."""
+    return isinstance(value, list) and len(value) <= _MAX_RANK and \
+        all(isinstance(v, int) and not isinstance(v, bool) and v >= least for v in value)
+
+
+def _chunk_problem(shape: list[int], chunk: list[int], item_size: int) -> str | None:
+    """Why a chunk grid is unacceptable, or None. The save applies it too, so that no run writes a
+    checkpoint its own load would reject."""
+    if len(chunk) != len(shape):
+        return f"chunk shape {_short(chunk)} does not have the rank of shape {_short(shape)}"
+    # A dimension of length 0 still has a chunk of 1: a chunk has at least one element per dimension.
+    if any(c > max(s, 1) for c, s in zip(chunk, shape, strict=True)):
+        return f"chunk shape {_short(chunk)} is larger than shape {_short(shape)}"
+    if math.prod(chunk) * item_size > _MAX_CHUNK_BYTES:
+        return f"a chunk of shape {_short(chunk)} holds more than {_MAX_CHUNK_BYTES} bytes"
+    return None
+
+
+def _metadata_problem(meta, array_dir: str) -> str | None:
+    """Why one array's parsed zarr.json is not one this strategy writes, or None."""
+    if not isinstance(meta, dict):
+        return "is not a JSON object"
+    if meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
+        return "is not zarr v3 array metadata (zarr_format 3, node_type array)"
+    shape = meta.get("shape")
+    if not (_int_list(shape, 0) and math.prod(max(s, 1) for s in shape) < _MAX_ELEMENTS):
+        return f"shape {_short(shape)} is not a list of at most {_MAX_RANK} non-negative integers " \
+               f"(product below 2**62)"
+    dtype = meta.get("data_type")
+    if not isinstance(dtype, str) or dtype not in _ITEM_SIZES:
+        return f"data_type {_short(dtype)} is not one a zarr checkpoint holds ({', '.join(_ITEM_SIZES)})"
+    grid = meta.get("chunk_grid")
+    config = grid.get("configuration") if isinstance(grid, dict) else None
+    if not (isinstance(config, dict) and grid.get("name") == "regular"):
+        return f"chunk_grid {_short(grid)} is not a regular grid"
+    chunk = config.get("chunk_shape")
+    if not _int_list(chunk, 1):
+        return f"chunk shape {_short(chunk)} is not a list of positive integers"
+    if (problem := _chunk_problem(shape, chunk, _ITEM_SIZES[dtype])) is not None:
+        return problem
+    # load names chunk files c/<i>/<j>/... itself: the default encoding with "/" is assumed.
+    if meta.get("chunk_key_encoding") != {"name": "default"}:
+        return f"chunk_key_encoding {_short(meta.get('chunk_key_encoding'))} is not the default one"
+    codecs = meta.get("codecs")
+    if not (isinstance(codecs, list) and len(codecs) == 2 and codecs[0] in _BYTES_CODECS
+            and codecs[1] == {"name": "crc32c"}):
+        return f"codecs {_short(codecs)} are not bytes (little-endian) then crc32c"
+    attributes = meta.get("attributes")
+    key = attributes.get(KEY_ATTR) if isinstance(attributes, dict) else None
+    if not isinstance(key, str) or array_name(key) != array_dir:
+        return f"attributes.{KEY_ATTR} {_short(key)} does not name array directory {array_dir!r}"
+    return None
+
+
+def _read_array_metadata(root: str, path: str) -> dict:
+    """The zarr.json at `path` (under checkpoint dir `root`), vetted. Raises CheckpointDataError, or
+    OSError for what the storage does (the loader retries those)."""
+    with untrusted.open_regular(path, _MAX_METADATA_BYTES, "zarr.json") as f:
+        raw = f.read(_MAX_METADATA_BYTES + 1)
+    if len(raw) > _MAX_METADATA_BYTES:  # it grew since it was opened
+        raise ArrayMetadataError(f"{path}: more than the {_MAX_METADATA_BYTES} bytes any zarr.json can have")
+    try:
+        meta = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # ValueError covers bad JSON, bad UTF-8 and huge integers
+        raise ArrayMetadataError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from e
+    if (problem := _metadata_problem(meta, os.path.relpath(os.path.dirname(path), root))) is not None:
+        raise ArrayMetadataError(f"{path}: {problem}")
+    return meta
+
+
+def check_metadata(checkpoint_dir: str) -> str | None:
+    """None if the checkpoint is a tree of plain files and directories whose arrays' zarr.json are ones
+    this strategy writes; else one line naming the file and what is wrong. Nothing is opened through
+    tensorstore, no symlink is followed (so every path stays inside the checkpoint), nothing but a
+    bounded regular file is read, and the walk is bounded in depth and entries. An OSError from the
+    storage itself is raised, not reported: it says nothing about the checkpoint's bytes."""
+    root = os.path.abspath(checkpoint_dir)
+    if os.path.islink(root):
+        return f"{root}: a symlink (not followed); a checkpoint is a directory of its own"
+    if (irregular := untrusted.find_irregular(root)) is not None:
+        return f"{root}: {irregular}"
+    # Only <root>/<array>/zarr.json is ever read, by us or by tensorstore.
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name, "zarr.json")
+        if os.path.isfile(path):
+            try:
+                _read_array_metadata(root, path)
+            except CheckpointDataError as e:
+                return str(e)
+    return None
 
 
 def _chunk_key(index) -> str:
@@ -110,7 +235,12 @@ def _spec(t: ShardedTensor) -> tuple:
     chunk = tuple(1 for _ in range(t.prepend_axis_num)) + tuple(max(s, 1) for s in t.local_shape)
     if any(o % c for o, c in zip(t.global_offset, chunk, strict=True)):
         raise NotImplementedError(f"{t.key}: offset {t.global_offset} is not on a chunk boundary {chunk}")
-    return tuple(t.global_shape), chunk, str(t.dtype).removeprefix("torch.")
+    dtype = str(t.dtype).removeprefix("torch.")
+    if dtype not in _ITEM_SIZES:
+        raise CheckpointingException(f"{t.key}: dtype {dtype} cannot be stored in a zarr checkpoint")
+    if (problem := _chunk_problem(list(t.global_shape), list(chunk), _ITEM_SIZES[dtype])) is not None:
+        raise CheckpointingException(f"{t.key}: {problem}; use --ckpt-format torch_dist")
+    return tuple(t.global_shape), chunk, dtype
 
 
 class ZarrSaveShardedStrategy(SaveShardedStrategy):
@@ -186,6 +316,17 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
             f.result()
 
 
+def _template_array_metadata(ckpt: Path, name: str, key: str) -> dict:
+    """The vetted metadata of the array that holds a template's key."""
+    try:
+        meta = _read_array_metadata(str(ckpt), str(ckpt / name / "zarr.json"))
+    except FileNotFoundError as e:  # a key this checkpoint does not have: another model's
+        raise CheckpointingException(f"zarr array {name!r} (key {key!r}) is not in the checkpoint") from e
+    if meta["attributes"][KEY_ATTR] != key:
+        raise CheckpointingException(f"zarr array {name!r} does not hold key {key!r}")
+    return meta
+
+
 class ZarrLoadShardedStrategy(LoadShardedStrategy):
     """Reads ShardedTensors back from zarr v3 arrays; every chunk read is crc32c-verified."""
 
@@ -198,24 +339,26 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
             raise CheckpointingException(f"zarr strategy cannot load zarr format version {loaded_version}")
 
     def load(self, sharded_state_dict, checkpoint_dir):
-        ckpt, arrays, reads = Path(checkpoint_dir), {}, {}
+        ckpt, metas, arrays, reads = Path(os.path.abspath(checkpoint_dir)), {}, {}, {}
+        # GlobalTier.verify vets the metadata too; this covers every other way into a load.
+        if (reason := check_metadata(str(ckpt))) is not None:
+            raise ArrayMetadataError(reason)
         for t in nested_values(sharded_state_dict):
             if not isinstance(t, ShardedTensor):
                 raise CheckpointingException(f"zarr strategy expects only ShardedTensors, got {type(t)}")
             name = array_name(t.key)
-            if name not in arrays:
-                try:
-                    meta = json.loads((ckpt / name / "zarr.json").read_text())
-                    arr = ts.open(_ts_spec(ckpt / name), open=True).result()
-                except (OSError, ValueError) as e:
-                    raise CheckpointingException(f"zarr array {name!r} (key {t.key!r}): {e}") from e
-                if meta.get("attributes", {}).get(KEY_ATTR) != t.key:
-                    raise CheckpointingException(f"zarr array {name!r} does not hold key {t.key!r}")
-                arrays[name] = (meta, arr)
-            meta, arr = arrays[name]
+            if name not in metas:
+                metas[name] = _template_array_metadata(ckpt, name, t.key)
+            meta = metas[name]
             stored, expected = tuple(meta["shape"]), tuple(t.global_shape)
             if stored != expected and (not t.allow_shape_mismatch or len(stored) != len(expected)):
                 raise CheckpointingException(f"{t.key}: stored shape {stored} != expected {t.global_shape}")
+            if name not in arrays:
+                try:
+                    arrays[name] = ts.open(_ts_spec(ckpt / name), open=True).result()
+                except ValueError as e:  # what tensorstore raises for metadata it cannot use
+                    raise ArrayMetadataError(f"zarr array {name!r} (key {t.key!r}): tensorstore cannot "
+                                             f"open it: {e}") from e
             # Prepended axes are read as length-1 slices and squeezed later; with allow_shape_mismatch
             # only the part inside the stored array is read and the rest stays zero.
             full = [1] * t.prepend_axis_num + list(t.local_shape)
@@ -229,7 +372,7 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
             missing = [c for c in chunks if not (ckpt / name / c).is_file()]
             if missing:
                 raise ChunkDataError(f"zarr array {name!r} (key {t.key!r}) lacks chunk(s) {missing}")
-            reads[id(t)] = (chunks, arr[tuple(slice(a, b) for a, b in region)].read())
+            reads[id(t)] = (chunks, arrays[name][tuple(slice(a, b) for a, b in region)].read())
 
         def finish(t: ShardedTensor) -> torch.Tensor:
             chunks, future = reads[id(t)]
@@ -242,7 +385,7 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
                 raise ChunkDataError(
                     f"zarr array {array_name(t.key)!r} (key {t.key!r}), chunk(s) {chunks}: corrupt or "
                     f"unreadable (crc32c checksum verification by tensorstore failed?): {e}") from e
-            src = _from_numpy(data, getattr(torch, arrays[array_name(t.key)][0]["data_type"])).to(t.dtype)
+            src = _from_numpy(data, getattr(torch, metas[array_name(t.key)]["data_type"])).to(t.dtype)
             if list(src.shape) != full:  # only with allow_shape_mismatch: zero-pad what is not stored
                 out = torch.zeros(full, dtype=t.dtype)
                 out[tuple(slice(0, n) for n in src.shape)] = src
@@ -252,14 +395,14 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         return dict_list_map_inplace(finish, sharded_state_dict)
 
     def load_tensors_metadata(self, checkpoint_dir):
-        ckpt, result = Path(checkpoint_dir), {}
-        for d in sorted(ckpt.iterdir()):
+        root, result = os.path.abspath(checkpoint_dir), {}
+        if (reason := check_metadata(root)) is not None:
+            raise ArrayMetadataError(reason)
+        for d in sorted(Path(root).iterdir()):
             if not (d / "zarr.json").is_file():
                 continue  # common.pt, metadata.json, sharded-object dirs
-            meta = json.loads((d / "zarr.json").read_text())
-            key = meta.get("attributes", {}).get(KEY_ATTR)
-            if meta.get("node_type") != "array" or key is None:
-                continue
+            meta = _read_array_metadata(root, str(d / "zarr.json"))
+            key = meta["attributes"][KEY_ATTR]
             empty = torch.empty(meta["shape"], dtype=getattr(torch, meta["data_type"]), device="meta")
             result[key] = ShardedTensor.from_rank_offsets(key, empty).without_data()
         return result
