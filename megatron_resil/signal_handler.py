@@ -6,6 +6,11 @@ and exit. A second signal changes nothing. With a grace
 deadline, a watchdog (started at install, waiting for the first signal) ends the process if the save
 cannot finish in time: publishing is atomic, so
 the previous checkpoint and the tracker are then still intact.
+
+A signal during the checkpoint load ends the process at once: nothing trained can be saved yet, and a
+load can block where no Python code runs (a stalled file system, a peer stuck in a collective), so the
+watchdog learns of the signal through a wakeup pipe written by the C-level handler, not from the main
+thread.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ import threading
 import time
 
 from megatron_resil import events, exit_codes
+
+# Without --exit-signal-grace-secs, how long a load that began after the signal may still take.
+LOAD_AFTER_SIGNAL_SECS = 60.0
 
 
 class ExitSignalHandler:
@@ -38,32 +46,94 @@ class ExitSignalHandler:
 
     def install(self) -> None:
         signal.signal(self.signum, self._on_signal)
-        if self.grace_secs is not None:  # started now: a signal handler should start nothing
-            threading.Thread(target=self._deadline, daemon=True, name="exit-signal-deadline").start()
+        # Started now: a signal handler should start nothing.
+        self._wakeup = self._wakeup_pipe()
+        threading.Thread(target=self._watch, daemon=True, name="exit-signal-watch").start()
+
+    @staticmethod
+    def _wakeup_pipe() -> int | None:
+        """The read end of a pipe the interpreter's C-level handler writes each signal's number to, or
+        None where something else (an event loop) already owns the wakeup fd."""
+        read_end, write_end = os.pipe()
+        os.set_blocking(write_end, False)
+        try:
+            previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+        except ValueError:  # not the main thread: the main thread's own handler is all there is
+            previous = None
+        if previous != -1:
+            if previous is not None:
+                signal.set_wakeup_fd(previous)
+            os.close(read_end)
+            os.close(write_end)
+            return None
+        return read_end
 
     def _on_signal(self, signum, frame) -> None:
         self.count += 1
-        if self.count == 1:
+        self._noticed()
+
+    def _noticed(self) -> None:
+        if not self._first.is_set():
             self.first_received_at = time.monotonic()
             self._first.set()
 
-    def _deadline(self) -> None:
+    def _watch(self) -> None:
+        if self._wakeup is not None:
+            while self.signum not in os.read(self._wakeup, 64):
+                pass
+            self._noticed()
         self._first.wait()
+        if self._loading:
+            self._exit_during_load()
+        if self.grace_secs is None:
+            return
         time.sleep(max(0.0, self.first_received_at + self.grace_secs - time.monotonic()))
         # Still alive: the save did not finish in time. Exit now; nothing partial is ever published.
+        self._exit(f"{self.signal_name} grace period of {self.grace_secs:g}s elapsed before the save "
+                   "finished; the previous checkpoint is intact; "
+                   f"exiting with code {exit_codes.SIGNAL_DEADLINE}",
+                   exit_codes.SIGNAL_DEADLINE)
+
+    _loading = False
+
+    @contextlib.contextmanager
+    def loading(self):
+        """While the checkpoint is loaded, a signal ends the process at once (see the module's doc). One
+        that came during set-up lets the load run, then stops before training, as ever, but bounds it."""
+        self._loading = True
+        bound = None
+        if self._first.is_set():
+            bound = threading.Timer(self.grace_secs or LOAD_AFTER_SIGNAL_SECS, self._exit_if_loading)
+            bound.daemon = True
+            bound.start()
         try:
-            message = (f"{self.signal_name} grace period of {self.grace_secs:g}s elapsed before the save "
-                       f"finished; the previous checkpoint is intact; "
-                       f"exiting with code {exit_codes.SIGNAL_DEADLINE}")
+            yield
+        finally:
+            self._loading = False
+            if bound is not None:
+                bound.cancel()
+
+    def _exit_if_loading(self) -> None:
+        if self._loading:
+            self._exit_during_load()
+
+    def _exit_during_load(self) -> None:
+        self._exit(f"{self.signal_name} received while loading the checkpoint; nothing trained since, so "
+                   f"nothing to save; the checkpoints on disk are as they were; exiting with code "
+                   f"{exit_codes.SIGNAL_SAVED}", exit_codes.SIGNAL_SAVED)
+
+    @staticmethod
+    def _exit(message: str, code: int) -> None:
+        try:
             sys.stderr.write(f"[resil] exit: {message}\n")
             sys.stderr.flush()
-            events.record("exit", message=message, exit_code=exit_codes.SIGNAL_DEADLINE)
+            events.record("exit", message=message, exit_code=code, requeue=True)
             # megatron-core's writer forks a process per file; orphaned mid-write they block forever.
             for child in multiprocessing.active_children():
                 with contextlib.suppress(OSError):
                     os.kill(child.pid, signal.SIGKILL)
-        finally:  # whatever failed above, the deadline holds
-            os._exit(exit_codes.SIGNAL_DEADLINE)
+        finally:  # whatever failed above, the process ends here
+            os._exit(code)
 
 
 _installed: ExitSignalHandler | None = None
@@ -76,3 +146,8 @@ def install_from_args(args) -> ExitSignalHandler | None:
         _installed = ExitSignalHandler(args.exit_signal, args.exit_signal_grace_secs)
         _installed.install()
     return _installed
+
+
+def loading():
+    """Wraps the checkpoint load: with --exit-signal-handler, a signal then ends the process at once."""
+    return _installed.loading() if _installed is not None else contextlib.nullcontext()

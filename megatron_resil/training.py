@@ -83,7 +83,8 @@ def _pretrain(args: argparse.Namespace, ft: FaultTolerance) -> int:
     rerun.initialize(rerun.RerunConfig.from_args(args))  # before the load: a checkpoint may hold its state
     checkpoints = CheckpointManager(CheckpointConfig.from_args(args), model, optimizer, scheduler, args,
                                     on_staged=faults.on_staged)
-    progress = checkpoints.load()
+    with signal_handler.loading():  # a signal now ends the process: a load can block past any grace
+        progress = checkpoints.load()
     train_ds, valid_ds = build_datasets(args, tokenizer)
     ft.setup_done(resumed=progress.iteration > 0)
     try:

@@ -4,6 +4,9 @@ filesystem, a storage server failing over); with N < 0 every such read fails (a 
 
     python tests/flaky_fs.py SOURCE MOUNTPOINT --match __1_0.distcp --fail-reads 2
 
+With --stall, such reads never answer (a hung storage server): the reading thread waits in the kernel
+until the file system is unmounted.
+
 Runs in the foreground until unmounted (`umount MOUNTPOINT`) or killed. Needs /dev/fuse, libfuse2 and
 fusepy (the tests skip without them). Each failure is one line on stderr, so a test can count them."""
 
@@ -53,9 +56,13 @@ except (ImportError, OSError):  # the tests ask unavailable() first
 
 
 class FlakyPassthrough(Operations):
-    def __init__(self, source: str, match: str, fail_reads: int) -> None:
+    def __init__(self, source: str, match: str, fail_reads: int, stall: bool = False) -> None:
         self.source, self.match, self.left = os.path.realpath(source), match, fail_reads
+        self.stall, self._unmounted = stall, threading.Event()
         self._mutex = threading.Lock()  # not `lock`: that name is a FUSE operation
+
+    def destroy(self, path):
+        self._unmounted.set()
 
     def _real(self, path: str) -> str:
         return os.path.join(self.source, path.lstrip("/"))
@@ -82,6 +89,10 @@ class FlakyPassthrough(Operations):
         return os.open(self._real(path), os.O_RDONLY)
 
     def read(self, path, size, offset, fh):
+        if self.stall and self.match in path:
+            print(f"flaky_fs: stalling a read of {path}", file=sys.stderr, flush=True)
+            self._unmounted.wait()
+            raise FuseOSError(errno.EIO)
         if self.match in path:
             with self._mutex:
                 fail = self.left != 0
@@ -101,11 +112,12 @@ def main() -> None:
     parser.add_argument("source")
     parser.add_argument("mountpoint")
     parser.add_argument("--match", required=True, help="fail reads of files whose name contains this")
-    parser.add_argument("--fail-reads", type=int, required=True, help="how many reads fail; < 0: all")
+    parser.add_argument("--fail-reads", type=int, default=0, help="how many reads fail; < 0: all")
+    parser.add_argument("--stall", action="store_true", help="reads never answer")
     args = parser.parse_args()
     # direct_io: every read() of a test reaches us (no page cache hiding a retry from the fault).
-    FUSE(FlakyPassthrough(args.source, args.match, args.fail_reads), args.mountpoint, foreground=True,
-         ro=True, direct_io=True)
+    FUSE(FlakyPassthrough(args.source, args.match, args.fail_reads, args.stall), args.mountpoint,
+         foreground=True, ro=True, direct_io=True)
 
 
 if __name__ == "__main__":

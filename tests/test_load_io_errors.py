@@ -34,10 +34,11 @@ def trained(tmp_path_factory):
     return root
 
 
-def _mount_flaky(source, mountpoint, match: str, fail_reads: int, log):
+def _mount_flaky(source, mountpoint, match: str, fail_reads: int, log, stall: bool = False):
     mountpoint.mkdir()
     proc = subprocess.Popen([sys.executable, flaky_fs.__file__, str(source), str(mountpoint), "--match", match,
-                             "--fail-reads", str(fail_reads)], stderr=open(log, "w"))
+                             "--fail-reads", str(fail_reads), *(["--stall"] if stall else [])],
+                            stderr=open(log, "w"))
     deadline = time.monotonic() + 30
     while not os.path.ismount(mountpoint):
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
@@ -83,3 +84,70 @@ def test_io_errors_on_load_are_retried_then_the_candidate_is_skipped_never_quara
     assert sorted(p.name for p in trained.iterdir() if p.name.startswith("iter_")) == ["iter_0000002",
                                                                                        "iter_0000004"]
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
+
+
+def _read_by_one_rank_only(checkpoint) -> str:
+    """A shard file that only rank 1 reads while verifying: its checksum is rank 1's share of the
+    manifest, and it holds no object item (those every rank reads)."""
+    import json
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    with open(checkpoint / ".metadata", "rb") as f:
+        metadata = pickle.load(f)  # the test's own checkpoint
+    with_objects = {s.relative_path for i, s in metadata.storage_data.items()
+                    if isinstance(metadata.state_dict_metadata[i.fqn], BytesStorageMetadata)}
+    files = sorted(json.loads((checkpoint / "resil_manifest.json").read_text())["files"])
+    return next(name for position, name in enumerate(files)
+                if position % 2 == 1 and name.endswith(".distcp") and name not in with_objects)
+
+
+def _rank_of(pid: int) -> int:
+    environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    return int(next(v for v in environ if v.startswith(b"RANK=")).split(b"=")[1])
+
+
+def test_sigterm_during_a_load_stalled_on_storage_ends_the_job(trained, tmp_path):
+    """Rank 1's read never returns (a hung storage server) and rank 0 waits for it in a collective, where
+    no Python code runs. Slurm's SIGTERM reaches both: rank 0 ends at once (exit 5, nothing to save, one
+    line, an exit record). Before, it waited as long as the storage did. Rank 1 sleeps in the kernel,
+    where not even SIGKILL reaches it until the storage answers (here: its server is killed)."""
+    import json
+    import signal
+
+    from tests.test_exit_signal import _handles_sigterm, _rank_pids
+    mnt, save, fuse_log = tmp_path / "mnt", tmp_path / "ckpt", tmp_path / "flaky_fs.log"
+    log = tmp_path / "run.log"
+    stalled = f"/iter_0000004/{_read_by_one_rank_only(trained / 'iter_0000004')}"
+    proc = _mount_flaky(trained, mnt, stalled, 0, fuse_log, stall=True)
+    run = launch.start([*_args(mnt, save, 6), "--exit-signal-handler"], log_path=log)
+    try:
+        deadline = time.monotonic() + 120
+        while "flaky_fs: stalling" not in fuse_log.read_text():
+            assert run.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        ranks = {_rank_of(pid): pid for pid in _rank_pids(run.pid)}
+        assert sorted(ranks) == [0, 1] and all(_handles_sigterm(pid) for pid in ranks.values())
+        time.sleep(1)  # rank 0 reaches the collective that waits for rank 1
+        signalled = time.monotonic()
+        for pid in ranks.values():  # as Slurm signals every process of the step
+            os.kill(pid, signal.SIGTERM)
+        while os.path.exists(f"/proc/{ranks[0]}") and time.monotonic() - signalled < 60:
+            time.sleep(0.1)
+        rank0_ended_after = time.monotonic() - signalled
+    finally:
+        proc.kill()  # the storage server goes: the stalled read fails and rank 1 can die
+        _unmount(proc, mnt)
+        try:
+            run.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            for pid in _rank_pids(run.pid):
+                os.kill(pid, signal.SIGKILL)
+            run.kill()
+    out = log.read_text()
+    said = "[resil] exit: SIGTERM received while loading the checkpoint; nothing trained since"
+    assert said in out, out[-3000:]
+    assert rank0_ended_after < 10, (rank0_ended_after, out[-3000:])
+    exits = [json.loads(x) for x in (save / "events.jsonl").read_text().splitlines() if '"exit"' in x]
+    assert exits and exits[-1]["exit_code"] == 5, exits
+    assert not (save / "latest_checkpointed_iteration.txt").exists()

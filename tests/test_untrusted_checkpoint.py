@@ -273,3 +273,38 @@ def test_removing_a_leftover_of_any_depth_follows_no_link(tmp_path):
     remove_tree(str(leftover))
     assert not leftover.exists()
     assert (outside / "keep").read_text() == "not ours to delete"
+
+
+@pytest.mark.slow
+def test_a_resume_falls_back_past_each_crafted_checkpoint_and_says_why(tmp_path):
+    """The newest checkpoint's .metadata reads a shard from a FIFO outside (no writer: the resume hung
+    forever), the next one's extra state carries a pickle (exit 3 before), the next is a link to a
+    corrupt copy elsewhere; the resume loads iteration 1 and names each file and reason on one line."""
+    save = tmp_path / "ckpt"
+    marker = tmp_path / "code_ran"
+    args = [*launch.TINY_MODEL, *launch.TINY_TRAINING, "--save", str(save), "--load", str(save),
+            "--save-interval", "1"]
+    first = launch.run([*args, "--train-iters", "4"])
+    assert first.returncode == 0, first.stdout[-3000:]
+
+    fifo = tmp_path / "outside.fifo"
+    os.mkfifo(fifo)
+    iter4 = save / "iter_0000004"
+    _point_item_at(iter4, str(fifo))
+    fqn = _plant_extra_state(save / "iter_0000003", [_as_uint8(pickle.dumps(_Planted(marker)))])
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (save / "iter_0000002").rename(elsewhere / "iter_0000002")
+    (save / "iter_0000002").symlink_to(elsewhere / "iter_0000002")
+
+    resumed = launch.run([*args, "--train-iters", "5"], timeout=180)
+    out = resumed.stdout
+    assert resumed.returncode == 0, out[-4000:]
+    assert not marker.exists()
+    lines = out.splitlines()
+    for iteration, named in ((4, str(fifo)), (3, fqn), (2, "is a symlink to")):
+        rejected = [x for x in lines if f"load: rejected persistent iteration {iteration}" in x]
+        assert len(rejected) == 1 and named in rejected[0], out[-4000:]
+    assert "successfully loaded checkpoint from" in out and "at iteration 1" in out, out[-4000:]
+    assert "Traceback" not in out
+    assert "QUARANTINE_REASON.txt" not in os.listdir(elsewhere / "iter_0000002")  # the link was moved
