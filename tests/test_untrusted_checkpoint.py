@@ -113,6 +113,19 @@ def test_a_fifo_inside_is_refused_by_verify_and_by_ckpt_verify(checkpoint, name)
     assert tool.returncode == 1 and f"a FIFO, {name}" in tool.stdout + tool.stderr, tool.stdout + tool.stderr
 
 
+def test_ckpt_list_names_fifos_where_notes_and_manifests_should_be(checkpoint, tmp_path):
+    root = checkpoint.parent
+    (checkpoint / "resil_manifest.json").unlink()
+    os.mkfifo(checkpoint / "resil_manifest.json")
+    quarantined = root / "iter_0000001.quarantined.checksum.0123abcd"
+    quarantined.mkdir()
+    os.mkfifo(quarantined / "QUARANTINE_REASON.txt")
+    tool = subprocess.run([sys.executable, "-m", "megatron_resil.tools.ckpt", "list", str(root)],
+                          env=launch.env(), cwd=launch.REPO, capture_output=True, text=True, timeout=60)
+    assert tool.returncode == 0, tool.stdout + tool.stderr
+    assert "QUARANTINE_REASON.txt is a FIFO" in tool.stdout, tool.stdout
+
+
 def test_an_iteration_directory_that_is_a_link_is_refused_and_quarantine_renames_only_the_link(tmp_path):
     from megatron_resil.checkpointing import layout
     from megatron_resil.checkpointing.global_tier import GlobalTier
@@ -296,6 +309,14 @@ def test_a_resume_falls_back_past_each_crafted_checkpoint_and_says_why(tmp_path)
     elsewhere.mkdir()
     (save / "iter_0000002").rename(elsewhere / "iter_0000002")
     (save / "iter_0000002").symlink_to(elsewhere / "iter_0000002")
+    leftover = save / ".tmp_iter_0000005_0123456789ab"  # start-up cleanup died of RecursionError on it
+    leftover.mkdir()
+    fd = os.open(leftover, os.O_RDONLY)
+    for _ in range(1500):
+        os.mkdir("d", dir_fd=fd)
+        fd, parent = os.open("d", os.O_RDONLY, dir_fd=fd), fd
+        os.close(parent)
+    os.close(fd)
 
     resumed = launch.run([*args, "--train-iters", "5"], timeout=180)
     out = resumed.stdout
@@ -308,3 +329,4 @@ def test_a_resume_falls_back_past_each_crafted_checkpoint_and_says_why(tmp_path)
     assert "successfully loaded checkpoint from" in out and "at iteration 1" in out, out[-4000:]
     assert "Traceback" not in out
     assert "QUARANTINE_REASON.txt" not in os.listdir(elsewhere / "iter_0000002")  # the link was moved
+    assert not leftover.exists() and f"removed {leftover}" in out

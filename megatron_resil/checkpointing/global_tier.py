@@ -411,9 +411,8 @@ def _merged(per_rank: list[dict]) -> dict:
 def _sharded_backend(path: str) -> str | None:
     """The format megatron-core recorded in a checkpoint's metadata.json (None if unreadable)."""
     try:
-        with open(os.path.join(path, "metadata.json")) as f:
-            return json.load(f).get("sharded_backend")
-    except (OSError, ValueError, AttributeError):
+        return json.loads(untrusted.read_text(os.path.join(path, "metadata.json"))).get("sharded_backend")
+    except (OSError, ValueError, AttributeError, RecursionError, untrusted.CheckpointDataError):
         return None
 
 

@@ -30,6 +30,7 @@ from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager impor
 )
 
 from megatron_resil import events, parallel
+from megatron_resil.checkpointing import untrusted
 from megatron_resil.checkpointing.atomic import atomic_write_text, replace_file_text
 from megatron_resil.checkpointing.global_tier import CheckpointSaveError
 from megatron_resil.checkpointing.replication import build_clique_strategy, comm_device
@@ -369,11 +370,13 @@ def read_manifest(path: Path, iteration: int, owner: int) -> tuple[dict | None, 
     """The owner's account of a copy: (meta, None), (None, why), or (None, None) for a legacy
     shard without a manifest (saved by Megatron-LM)."""
     try:
-        meta = json.loads(Path(str(path) + MANIFEST_SUFFIX).read_text())
+        meta = json.loads(untrusted.read_text(str(path) + MANIFEST_SUFFIX, what="shard manifest"))
         meta = {k: int(meta[k]) for k in ("iteration", "owner", "size", "crc32")}
     except FileNotFoundError:
         return None, ("manifest missing" if _looks_like_ours(path) else None)
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except untrusted.CheckpointDataError as err:
+        return None, str(err)
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:
         return None, f"manifest unparsable ({type(err).__name__})"
     if (meta["iteration"], meta["owner"]) != (iteration, owner):
         return None, (f"manifest is for rank {meta['owner']} iteration {meta['iteration']}, "
@@ -384,8 +387,9 @@ def read_manifest(path: Path, iteration: int, owner: int) -> tuple[dict | None, 
 def saved_layout(path: Path) -> str | None:
     """The parallel layout a copy's owner recorded (None: unreadable, or saved before layouts were)."""
     try:
-        layout = json.loads(Path(str(path) + MANIFEST_SUFFIX).read_text()).get("layout")
-    except (OSError, ValueError, AttributeError):
+        manifest = untrusted.read_text(str(path) + MANIFEST_SUFFIX, what="shard manifest")
+        layout = json.loads(manifest).get("layout")
+    except (OSError, ValueError, AttributeError, RecursionError, untrusted.CheckpointDataError):
         return None
     return layout if isinstance(layout, str) else None
 
@@ -411,6 +415,8 @@ def read_copy(path: Path, iteration: int, owner: int, *,
         return None, why
     try:
         payload = read_payload(path)
+    except untrusted.CheckpointDataError as err:
+        return None, str(err)
     except OSError as err:
         return None, f"unreadable ({err.strerror})"
     if meta is None:

@@ -93,13 +93,14 @@ def read_manifest(directory: str) -> tuple[dict | None, str | None]:
     """(manifest, None) or (None, reason)."""
     path = os.path.join(directory, MANIFEST_NAME)
     try:
-        with open(path) as f:
-            manifest = json.load(f)
+        manifest = json.loads(untrusted.read_text(path, what="manifest"))
         if not isinstance(manifest["files"], dict) or not isinstance(manifest["iteration"], int):
             raise TypeError("bad field types")
     except FileNotFoundError:
         return None, "manifest missing"
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except untrusted.CheckpointDataError as err:
+        return None, str(err)
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:
         return None, f"manifest unparsable ({type(err).__name__})"
     return manifest, None
 

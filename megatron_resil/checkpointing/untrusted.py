@@ -27,6 +27,8 @@ from megatron_resil.checkpointing.tier import CheckpointDataError
 MAX_METADATA_BYTES = 1 << 30
 MAX_COMMON_BYTES = 256 << 20
 MAX_OBJECT_BYTES = 256 << 20
+# A manifest takes about 60 bytes per file it lists; megatron-core's metadata.json and our notes are tiny.
+MAX_SMALL_FILE_BYTES = 64 << 20
 # A checkpoint is a flat torch_dist directory or a zarr tree a few levels deep, with one file per rank
 # and thread (torch_dist) or per chunk (zarr): beyond these it is not a checkpoint of ours or Megatron-LM's.
 MAX_DEPTH = 32
@@ -97,6 +99,13 @@ def open_regular(path: str, max_bytes: int | None = None, what: str = "file"):
     except BaseException:
         os.close(fd)
         raise
+
+
+def read_text(path: str, max_bytes: int = MAX_SMALL_FILE_BYTES, what: str = "small file") -> str:
+    """A small text file of a checkpoint (a manifest, metadata.json, a quarantine reason), through
+    `open_regular`."""
+    with open_regular(path, max_bytes, what) as f:
+        return f.read().decode()
 
 
 def find_irregular(directory: str) -> str | None:

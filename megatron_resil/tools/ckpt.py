@@ -22,7 +22,7 @@ import argparse
 import os
 import sys
 
-from megatron_resil.checkpointing import layout
+from megatron_resil.checkpointing import layout, untrusted
 from megatron_resil.checkpointing.global_tier import GlobalTier
 from megatron_resil.checkpointing.loader import newest_first
 from megatron_resil.checkpointing.local_tier import QUARANTINE_DIR, describe, inspect_copies
@@ -86,14 +86,22 @@ def cmd_list(root: str, local: str | None, non_persistent: str | None) -> int:
     return 0
 
 
+def _reason(path: str) -> str:
+    """A quarantine note; whatever stands under its name (a FIFO, a link) is named, never opened."""
+    try:
+        return untrusted.read_text(path, 64 << 10, "quarantine note").strip()
+    except (OSError, UnicodeDecodeError, untrusted.CheckpointDataError) as err:
+        return f"? ({err})"
+
+
 def _glob_reasons(root: str) -> list[str]:
     found = []
     for rank in sorted(os.listdir(root)) if os.path.isdir(root) else []:
         qdir = os.path.join(root, rank, QUARANTINE_DIR)
         for name in sorted(os.listdir(qdir)) if os.path.isdir(qdir) else []:
             if name.endswith(".REASON.txt"):
-                with open(os.path.join(qdir, name)) as f:
-                    found.append(f"{rank}/{QUARANTINE_DIR}/{name[:-len('.REASON.txt')]}: {f.read().strip()}")
+                reason = _reason(os.path.join(qdir, name))
+                found.append(f"{rank}/{QUARANTINE_DIR}/{name[:-len('.REASON.txt')]}: {reason}")
     return found
 
 
@@ -108,7 +116,7 @@ def _list_global(root: str) -> None:
         print(f"  iter_{iteration:07d}  {_size(path) / 2**20:10.1f} MiB  {kind}")
     for path in layout.quarantined(root):
         reason_file = os.path.join(path, "QUARANTINE_REASON.txt")
-        reason = open(reason_file).read().strip() if os.path.isfile(reason_file) else "?"
+        reason = _reason(reason_file) if os.path.lexists(reason_file) else "?"
         print(f"  quarantined {os.path.basename(path)}: {reason}")
     for kind, paths in layout.leftovers(root).items():
         for path in paths:
