@@ -9,12 +9,16 @@ setup(
     packages=find_packages(include=["megatron_resil", "megatron_resil.*"]),
     py_modules=["pretrain"],
     python_requires=">=3.10",
+    # Ranges, never pins: we install into the user's stack (an NGC container's own torch build, with
+    # Transformer Engine compiled against it) without replacing anything in it. torch has a lower bound
+    # only, so an installed build of any later version, pre-releases included, is kept. The upper bounds
+    # are the newest releases tested (see README, "Support matrix"); scripts/constraints.txt pins what CI
+    # runs. On a CPU machine without torch, install torch first (scripts/setup_env.sh does): a plain
+    # requirement would pull the multi-GB CUDA build.
     install_requires=[
-        # Pinned to the build we test. On a CPU machine install it first from the CPU wheel
-        # (scripts/setup_env.sh does): an unpinned torch pulls the multi-GB CUDA build.
-        "torch==2.13.0",
-        "megatron-core==0.16.1",
-        "nvidia-resiliency-ext==0.4.1",
+        "torch>=2.6",
+        "megatron-core>=0.16.1,<0.20",  # 0.17 and later publish wheels for Python 3.12 and newer only
+        "nvidia-resiliency-ext>=0.4.1,<0.8",
         "tensorstore>=0.1.60,!=0.1.72",
         "isal>=1.6",  # manifest and local-tier CRC-32 (ISA-L: zlib's values, ~6x faster here)
         "google-crc32c>=1.5",  # older manifests' CRC32C; zarr chunks

@@ -5,15 +5,16 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${RESIL_VENV:-$ROOT/.venv}"
 PY="${PYTHON:-python3}"
-STAMP="$VENV/.megatron-resil-$(sha1sum "$ROOT/setup.py" | cut -c1-12)"
+CONSTRAINTS="$ROOT/scripts/constraints.txt"  # the versions CI tests; setup.py itself states ranges
+STAMP="$VENV/.megatron-resil-$(cat "$ROOT/setup.py" "$CONSTRAINTS" | sha1sum | cut -c1-12)"
 
 # Chained with && because errexit does not apply inside a function whose status is tested.
 install() {
-  local pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+  local pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -c "$CONSTRAINTS")
   { [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"; } &&
-    "${pip[@]}" --upgrade pip &&
-    # torch first and pinned, so no dependency can pull the multi-GB CUDA build on a CPU machine.
-    "${pip[@]}" "torch==2.13.0" &&
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip &&
+    # torch first (its CPU build, as constrained), so no dependency can pull the multi-GB CUDA build.
+    "${pip[@]}" torch &&
     "${pip[@]}" -e "$ROOT[test]"
 }
 
