@@ -50,6 +50,9 @@ def params_dtype(args: argparse.Namespace) -> torch.dtype:
 def transformer_config(args: argparse.Namespace) -> TransformerConfig:
     moe = args.num_experts is not None
     return TransformerConfig(
+        # megatron-core 0.16's default ("full") is deprecated by itself, with a warning on every rank;
+        # the empty list it converts that to means the same (no CUDA graphs are captured here).
+        cuda_graph_scope=[],
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
