@@ -32,7 +32,8 @@ pytestmark = pytest.mark.slow
 SBATCH = "scripts/pretrain.sbatch"  # relative, as a user submits it from the checkout
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
          "BOOT_FAIL", "DEADLINE"}
-# Iterations slowed to 0.1 s on rank 0, so a signal lands mid-run wherever Slurm's 30 s timer is.
+# Iterations slowed to at least 0.1 s (rank 0 sleeps; rank 1 waits for it), so that a run of a few
+# hundred iterations is still training when what a test does after seeing an iteration takes effect.
 SLOW = ["--inject-fault", "slow", "--inject-fault-iteration", "1", "--inject-fault-slow-secs", "0.1"]
 
 
@@ -42,8 +43,8 @@ def _cluster(tmp_path_factory, nodes: int):
     except local_slurm.SlurmUnavailable as e:
         pytest.skip(f"no Slurm: {e}")
     directory = tmp_path_factory.mktemp(f"slurm{nodes}")
-    try:
-        env = local_slurm.start(directory, nodes=nodes)
+    try:  # the nodes register within seconds, but a busy machine is no reason to skip
+        env = local_slurm.start(directory, nodes=nodes, timeout=120)
     except local_slurm.SlurmUnavailable as e:
         pytest.skip(f"Slurm does not start here: {e}")
     yield env
@@ -75,14 +76,15 @@ def _job_env(slurm_env: dict[str, str], **extra: str) -> dict[str, str]:
             "RESIL_PYTHON": sys.executable, "MAX_RESTARTS": "0", **extra}
 
 
-# --time=10: the script's default warning signal comes 300 s before the limit; a limit of 5 minutes or less
-# would signal at once.
 def _story(text: str) -> str:
     """What an assertion shows of a job's output: every attempt's decisions, then the end."""
     said = [line for line in text.splitlines() if "[resil" in line or "error" in line.lower()]
     return "\n".join(said[-60:]) + "\n--- end of the output ---\n" + text[-1500:]
 
 
+# --time=10: the script's warning signal (--signal=B:TERM@300) is due 300 s before the limit, and Slurm
+# sends it at its first time-limit check (every 30 s, fixed in Slurm 22.05) from 30 s before that on:
+# under a limit of 5 minutes or less, at the first check after the job starts.
 def _submit(slurm_env, out: Path, args: list[str], sbatch_args: tuple[str, ...] = ("--time=10",),
             **extra_env: str) -> str:
     done = subprocess.run(["sbatch", "--parsable", *sbatch_args, f"--output={out}", SBATCH, *args],
@@ -108,12 +110,12 @@ def _wait(what, condition, timeout: float, out: Path | None = None) -> None:
         time.sleep(0.5)
 
 
-def _wait_ended(slurm_env, job: str, out: Path, timeout: float = 240) -> dict[str, str]:
+def _wait_ended(slurm_env, job: str, out: Path, timeout: float = 300) -> dict[str, str]:
     _wait(f"job {job} did not end", lambda: _job(slurm_env, job).get("JobState") in ENDED, timeout, out)
     return _job(slurm_env, job)
 
 
-def _wait_for_line(out: Path, pattern: str, timeout: float = 120) -> None:
+def _wait_for_line(out: Path, pattern: str, timeout: float = 180) -> None:
     _wait(f"no line matching {pattern!r}",
           lambda: out.exists() and re.search(pattern, out.read_text(errors="replace")), timeout, out)
 
@@ -138,8 +140,9 @@ def _assert_resumed_where_it_saved(out: str, final_iteration: int) -> int:
     trained = sorted(launch.losses(first))
     saved = _saved(first)
     assert saved and trained and saved[-1] == trained[-1], (saved, trained[-3:])  # nothing trained is lost
-    assert f"requeue 5: stopped by the exit signal after saving" in first
-    assert re.search(rf"successfully loaded checkpoint from .* at iteration {saved[-1]} ", second), second[-3000:]
+    assert "requeue 5: stopped by the exit signal after saving" in first
+    loaded = rf"successfully loaded checkpoint from .* at iteration {saved[-1]} "
+    assert re.search(loaded, second), second[-3000:]
     assert min(launch.losses(second)) == saved[-1] + 1
     assert f"stop 0: training finished at iteration {final_iteration}" in second
     return saved[-1]
@@ -154,7 +157,8 @@ def test_two_jobs_on_one_node_each_train_to_completion_with_their_own_rendezvous
     for name, (job, out) in jobs.items():
         info = _wait_ended(slurm, job, out)
         text = out.read_text()
-        assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), _story(text)
+        ended = (info["JobState"], info["ExitCode"], info["Restarts"])
+        assert ended == ("COMPLETED", "0:0", "0"), _story(text)
         assert "stop 0: training finished at iteration 20" in text
         assert sorted(launch.losses(text)) == list(range(1, 21))
         ports.add(re.search(r"rendezvous on \S+:(\d+)", text).group(1))
@@ -164,16 +168,20 @@ def test_two_jobs_on_one_node_each_train_to_completion_with_their_own_rendezvous
 
 def test_time_limit_saves_the_iteration_reached_requeues_and_resumes_from_it(slurm, tmp_path):
     out, save = tmp_path / "job.out", tmp_path / "ckpt"
-    # The warning signal 50 s before a 1-minute limit: at Slurm's next time-limit check (every 30 s).
-    job = _submit(slurm, out, _args(save, 400, *SLOW), ("--time=1", "--signal=B:TERM@50"))
-    _wait("the job was not requeued", lambda: _job(slurm, job).get("Restarts") == "1", 150, out)
-    # The operator gives the requeued job the time it needs (otherwise it would save and requeue again
-    # at each limit, also correct, but slower to test).
+    # A limit that is not near until training runs; then the operator shortens it to 5 minutes, which
+    # puts the warning (300 s before the limit) in the past: Slurm sends it at its next time-limit check,
+    # at most 30 s on, while the run has more than 39 s of its 400 iterations left. A short --time from
+    # the start would signal at the first check after the start: in set-up, on a slow day.
+    job = _submit(slurm, out, _args(save, 400, *SLOW), ("--time=10", "--signal=B:TERM@300"))
+    _wait_for_line(out, r"iteration\s+1/")
+    subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=5"], env=slurm, check=True)
+    _wait_for_line(out, r"SIGTERM: forwarding to the job step's launchers", timeout=90)
+    # The operator gives the job its time back (under 5 minutes the next attempt would be signalled at
+    # its first time-limit check, before it trains).
     subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=10"], env=slurm, check=True)
     info = _wait_ended(slurm, job, out)
     text = out.read_text()
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), _story(text)
-    assert "SIGTERM: forwarding to the job step's launchers" in text
     assert "forcing job termination" not in text  # srun's answer to a SIGTERM: the ranks were killed
     assert "requeueing job" in text and "(Slurm shows it RUNNING)" in text
     _assert_resumed_where_it_saved(text, 400)
