@@ -50,14 +50,21 @@ def _plant_in_common(ckpt: Path, marker: Path) -> str:
 
 
 def _plant_in_byte_item(ckpt: Path, marker: Path, fqn_prefix: str = "rng_state") -> str:
-    """Replaces one byte item of a .distcp file with a planted torch.save, shifts the items behind it,
-    and rewrites .metadata to match (an attacker controls every byte). Returns the file's name."""
+    """Replaces one byte item of a .distcp file with a planted torch.save. Returns the file's name."""
+    _, stored = replace_byte_item(ckpt, lambda fqn: fqn.startswith(fqn_prefix), _Planted(marker))
+    return stored.relative_path
+
+
+def replace_byte_item(ckpt: Path, chosen, value):
+    """Replaces the first byte item whose fqn `chosen` accepts with torch.save(value), shifts the items
+    behind it, and rewrites .metadata to match (an attacker controls every byte). Returns its
+    (MetadataIndex, old _StorageInfo)."""
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     metadata = _metadata(ckpt)
-    index, stored = next((i, s) for i, s in metadata.storage_data.items() if i.fqn.startswith(fqn_prefix))
+    index, stored = next((i, s) for i, s in metadata.storage_data.items() if chosen(i.fqn))
     planted = io.BytesIO()
-    torch.save(_Planted(marker), planted)
+    torch.save(value, planted)
     file = ckpt / stored.relative_path
     data = file.read_bytes()
     new = planted.getvalue()
@@ -71,7 +78,7 @@ def _plant_in_byte_item(ckpt: Path, marker: Path, fqn_prefix: str = "rng_state")
                                                 stored.transform_descriptors)
     with open(ckpt / ".metadata", "wb") as f:
         pickle.dump(metadata, f)
-    return stored.relative_path
+    return index, stored
 
 
 @pytest.fixture

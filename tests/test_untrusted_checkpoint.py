@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests import launch
-from tests.test_safe_load import V0_1, _metadata, _Planted
+from tests.test_safe_load import V0_1, _metadata, _Planted, replace_byte_item
 
 ITERATION = 2
 
@@ -195,25 +195,7 @@ def test_bytesio_is_not_admitted_in_common_pt(checkpoint):
 
 def _plant_extra_state(ckpt: Path, value) -> str:
     """Replaces a layer's `_extra_state` byte item with torch.save(value), keeping .metadata in step."""
-    import torch
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    metadata = _metadata(ckpt)
-    index, stored = next((i, s) for i, s in metadata.storage_data.items() if "._extra_state" in i.fqn)
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    new = buffer.getvalue()
-    file = ckpt / stored.relative_path
-    data = file.read_bytes()
-    file.write_bytes(data[:stored.offset] + new + data[stored.offset + stored.length:])
-    shift = len(new) - stored.length
-    for other, info in list(metadata.storage_data.items()):
-        if info.relative_path == stored.relative_path and info.offset > stored.offset:
-            metadata.storage_data[other] = _StorageInfo(info.relative_path, info.offset + shift, info.length,
-                                                        info.transform_descriptors)
-    metadata.storage_data[index] = _StorageInfo(stored.relative_path, stored.offset, len(new),
-                                                stored.transform_descriptors)
-    with open(ckpt / ".metadata", "wb") as f:
-        pickle.dump(metadata, f)
+    index, _ = replace_byte_item(ckpt, lambda fqn: "._extra_state" in fqn, value)
     (ckpt / "resil_manifest.json").unlink(missing_ok=True)
     return index.fqn
 
