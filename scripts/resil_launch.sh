@@ -61,6 +61,8 @@ resil_run_step() {
   "$@" &
   local child=$!
   trap 'resil_forward_term '"$child" TERM
+  # One that came between the script's early trap and this one is passed on now.
+  [ -n "${RESIL_EARLY_TERM:-}" ] && resil_forward_term "$child"
   # `wait` returns early when a trapped signal arrives: wait again until the step has really ended.
   while true; do
     wait "$child"

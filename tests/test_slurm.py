@@ -217,6 +217,29 @@ def test_scancel_mid_run_saves_within_the_grace_and_the_job_stays_cancelled(slur
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == str(trained[-1])
 
 
+def test_a_warning_signal_before_the_job_step_starts_requeues_the_job(slurm, tmp_path):
+    """The warning came while the script was still checking its arguments, before its trap: the batch
+    shell died, the job ended FAILED 0:15 and was never requeued."""
+    out, save = tmp_path / "job.out", tmp_path / "ckpt"
+    slow_python = tmp_path / "slow_python.sh"  # a slow start-up: the argument check takes 8 s
+    slow_python.write_text("#!/bin/bash\n"
+                           "for a in \"$@\"; do [ \"$a\" = --check-args-only ] && sleep 8; done\n"
+                           f"exec {sys.executable} \"$@\"\n")
+    slow_python.chmod(0o755)
+    job = _submit(slurm, out, _args(save, 10), RESIL_PYTHON=str(slow_python))
+    _wait("the job did not start", lambda: _job(slurm, job).get("JobState") == "RUNNING", 120, out)
+    time.sleep(2)
+    subprocess.run(["scancel", "--batch", "--signal=TERM", job], env=slurm, check=True, timeout=30)
+    try:
+        _wait("the job was not requeued", lambda: _job(slurm, job).get("Restarts") == "1", 120, out)
+    finally:
+        subprocess.run(["scancel", job], env=slurm, capture_output=True, timeout=30)
+    text = out.read_text()
+    said = "job step not started: requeue 5: SIGTERM arrived before the job step started"
+    assert said in text, _story(text)
+    assert "requeueing job" in text and "Traceback" not in text, _story(text)
+
+
 @pytest.mark.parametrize("case", ["bad-argument", "nothing-to-load", "no-checkout", "no-torch"])
 def test_a_job_that_would_fail_again_is_not_requeued(slurm, tmp_path, case):
     out, save = tmp_path / "job.out", tmp_path / "ckpt"
