@@ -160,7 +160,10 @@ class _NvrxKernels:
     def __init__(self, node: str) -> None:
         with warnings.catch_warnings():  # NVRx's pynvml deprecation warning
             warnings.simplefilter("ignore")
-            from nvidia_resiliency_ext.straggler import Detector
+            try:  # NVRx 0.4
+                from nvidia_resiliency_ext.straggler import Detector
+            except ModuleNotFoundError:  # NVRx 0.7 moved it under attribution/
+                from nvidia_resiliency_ext.attribution.straggler import Detector
         if Detector.initialized:  # left by an earlier attempt of an in-process restart
             Detector.shutdown()
         Detector.initialize(scores_to_compute="all", gather_on_rank0=True, node_name=node)

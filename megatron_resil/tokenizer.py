@@ -7,6 +7,7 @@ Both expose what training and megatron-core's datasets read: `vocab_size` (unpad
 from __future__ import annotations
 
 import argparse
+import inspect
 from collections import OrderedDict
 from collections.abc import Iterable
 
@@ -20,7 +21,12 @@ class NullTokenizer:
     """
 
     def __init__(self, vocab_size: int) -> None:
-        self._core = _CoreNullTokenizer(vocab_size)
+        if "eod_id" in inspect.signature(_CoreNullTokenizer).parameters:
+            # megatron-core 0.19 counts EOD inside vocab_size (EOD = N - 1): asked for N + 1 with EOD N, it
+            # gives 0.16's (and Megatron-LM's) vocabulary, so models, data and checkpoints match across both.
+            self._core = _CoreNullTokenizer(vocab_size + 1, eod_id=vocab_size)
+        else:
+            self._core = _CoreNullTokenizer(vocab_size)
         self.vocab_size: int = self._core.vocab_size
         self.eod: int = self._core.eod
         self.unique_identifiers = OrderedDict(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import importlib.util
 import os
 
 from megatron_resil.arguments.errors import ArgumentError
@@ -110,6 +112,17 @@ def _check_writable(flag: str, path: str | None) -> None:
                             "no files; choose a directory on a disk")
 
 
+def _core_takes_other_strategies() -> bool:
+    """Our zarr strategy plugs into megatron-core 0.16's registry of sharded strategies
+    (dist_checkpointing/strategies/base.py); 0.19 has none and saves torch_dist only. Looked up on disk,
+    not imported: arguments are checked before megatron-core is loaded."""
+    spec = importlib.util.find_spec("megatron.core")
+    if spec is None or not spec.submodule_search_locations:
+        return True  # no megatron-core: its import fails later with its own message
+    return any(os.path.isfile(os.path.join(location, "dist_checkpointing", "strategies", "base.py"))
+               for location in spec.submodule_search_locations)
+
+
 def validate(args: argparse.Namespace, world_size: int) -> None:
     if args.ckpt_format not in SUPPORTED_FORMATS:
         raise ArgumentError(
@@ -133,6 +146,10 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     if args.ckpt_format == "zarr" and args.use_distributed_optimizer:
         raise ArgumentError("--ckpt-format zarr cannot save the state of --use-distributed-optimizer; use "
                             "--ckpt-format torch_dist, or drop --use-distributed-optimizer")
+    if args.ckpt_format == "zarr" and not _core_takes_other_strategies():
+        raise ArgumentError(f"--ckpt-format zarr needs megatron-core's pluggable checkpoint strategies, "
+                            f"which megatron-core {importlib.metadata.version('megatron-core')} no longer "
+                            "has; use --ckpt-format torch_dist, or megatron-core 0.16")
     if args.async_save_timeout_secs <= 0:
         raise ArgumentError("--async-save-timeout-secs must be positive")
     if args.async_save_max_failures < 1:

@@ -125,8 +125,11 @@ def _failing_late(write):
     return call
 
 
-_common = common_strategies.TorchCommonSaveStrategy
-if not hasattr(_common.save_common, "__wrapped__"):
+# megatron-core 0.16 writes common.pt through TorchCommonSaveStrategy.save_common (rank 0, before the
+# shard write). 0.19 has no such class: the common state travels inside the torch_dist shards as the
+# "common_state" object, written with them, so there is no separate rank-0 write to hold.
+_common = getattr(common_strategies, "TorchCommonSaveStrategy", None)
+if _common is not None and not hasattr(_common.save_common, "__wrapped__"):
     _common.save_common = _failing_late(_common.save_common)
 _writer = filesystem_async.FileSystemWriterAsync
 if not hasattr(_writer.finish, "__wrapped__"):

@@ -8,6 +8,7 @@ published one, newest first. Leftovers of interrupted saves are cleaned at start
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import shutil
@@ -45,6 +46,13 @@ from megatron_resil.checkpointing.tier import AsyncSaveJob, CheckpointTier, Tier
 from megatron_resil.checkpointing.tracker import read_tracker, write_tracker
 
 FORMATS = ("torch_dist", "zarr")
+# megatron-core 0.16's load() takes the common.pt reader (ours reads weights-only); 0.19's has no such
+# argument and reads the common state itself (its legacy common.pt reader is ours: safe_load.install).
+_LOAD_TAKES_COMMON_STRATEGY = "common_strategy" in inspect.signature(dist_checkpointing.load).parameters
+# megatron-core 0.19's save() hands an async save to NVRx's writer unless told "mcore"; our worker, queue
+# and checksumming writer are built on megatron-core's own (the only one 0.16 has).
+_MCORE_ASYNC = {"async_strategy": "mcore"} if "async_strategy" in \
+    inspect.signature(dist_checkpointing.save).parameters else {}
 # megatron-core picks the strategy that reads a checkpoint from its metadata.json: zarr needs ours.
 zarr_strategy.register()
 
@@ -172,12 +180,14 @@ class GlobalTier(CheckpointTier):
         return dist_checkpointing.load_content_metadata(preloaded_state_dict=self._common(candidate))
 
     def _common(self, candidate: TierCandidate) -> dict:
-        """The candidate's common.pt (read once per candidate)."""
+        """The candidate's common state (common.pt, or in the shards with megatron-core 0.19), read once."""
         if self._common_of is None or self._common_of[0] != candidate.path:
             self._common_of = (candidate.path, safe_load.CommonLoadWeightsOnly().load_common(candidate.path))
         return self._common_of[1]
 
     def load(self, candidate: TierCandidate, sharded_template: dict) -> dict:
+        if not _LOAD_TAKES_COMMON_STRATEGY:
+            return dist_checkpointing.load(sharded_template, candidate.path)
         return dist_checkpointing.load(sharded_template, candidate.path,
                                        common_strategy=safe_load.CommonLoadWeightsOnly())
 
@@ -226,7 +236,7 @@ class GlobalTier(CheckpointTier):
                 request = dist_checkpointing.save(self._snapshot.take(sharded_state), staging,
                                                   sharded_strategy=strategy, async_sharded_save=True,
                                                   validate_access_integrity=validate,
-                                                  content_metadata=self.content_metadata)
+                                                  content_metadata=self.content_metadata, **_MCORE_ASYNC)
         except (Exception, CheckpointException) as err:  # DCP's is a BaseException
             failure = _one_line(err)
         failed = [(rank, why) for rank, why in enumerate(parallel.all_gather_object(failure)) if why]

@@ -37,8 +37,10 @@ import pickle
 import re
 
 import torch
+from megatron.core.dist_checkpointing import serialization as core_serialization
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
-from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME, TorchCommonLoadStrategy
+from megatron.core.dist_checkpointing.strategies import common as core_common
+from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
 from torch.distributed.checkpoint import default_planner, filesystem
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
@@ -172,8 +174,13 @@ class ExtraStateUnpickler(pickle.Unpickler):
         super().__init__(file)
         self.name = name
 
+    # How a pickled tensor names the function that rebuilds its storage: torch's own, or the weights-only
+    # stand-in megatron-core 0.19 puts in its place at import (so TE's state pickled next to it names that).
+    _STORAGE_FROM_BYTES = frozenset({("torch.storage", "_load_from_bytes"),
+                                     ("megatron.core.safe_globals", "safe_load_from_bytes")})
+
     def find_class(self, module: str, name: str):
-        if (module, name) == ("torch.storage", "_load_from_bytes"):  # a storage torch.save'd inside
+        if (module, name) in self._STORAGE_FROM_BYTES:  # a storage torch.save'd inside
             return lambda data: load_weights_only(io.BytesIO(data), self.name)
         if (module, name) in self._ALLOWED or \
                 (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
@@ -258,14 +265,20 @@ def _load_bytes_weights_only(self, read_item, value: io.BytesIO) -> None:
         self.state_dict[read_item.dest_index.fqn] = loaded
 
 
-class CommonLoadWeightsOnly(TorchCommonLoadStrategy):
+class CommonLoadWeightsOnly(getattr(core_common, "TorchCommonLoadStrategy", object)):
     """megatron-core's common.pt reader with weights_only=True stated (its own call leaves it to torch's
-    default, which an environment variable can turn off), through `untrusted`."""
+    default, which an environment variable can turn off), through `untrusted`. megatron-core 0.16 takes it
+    as load()'s common_strategy; 0.19 has no such class (nor argument): its load() reads a legacy common.pt
+    through the function `install` replaces, and its own checkpoints keep the common state in the shards."""
 
     def load_common(self, checkpoint_dir):
         path = os.path.join(str(checkpoint_dir), COMMON_STATE_FNAME)
-        with untrusted.open_regular(path, untrusted.MAX_COMMON_BYTES, "common.pt") as f:
-            return load_weights_only(f, path)
+        read_from_shards = getattr(core_serialization, "load_common_state_dict", None)
+        if read_from_shards is not None and not os.path.lexists(path):
+            # megatron-core 0.19 writes no common.pt: the common state is the "common_state" object inside
+            # the torch_dist shards, read through DCP, whose byte items go through `load_object_item`.
+            return read_from_shards(str(checkpoint_dir))
+        return _read_common_pt(path)
 
     def load_sharded_objects(self, sharded_objects_state_dict, checkpoint_dir):
         """The sharded objects a format without its own object storage (zarr) keeps as `<key>/<shard>.pt`."""
@@ -276,9 +289,23 @@ class CommonLoadWeightsOnly(TorchCommonLoadStrategy):
         return dict_list_map_inplace(load, sharded_objects_state_dict)
 
 
+def _read_common_pt(path: str) -> dict:
+    with untrusted.open_regular(path, untrusted.MAX_COMMON_BYTES, "common.pt") as f:
+        return load_weights_only(f, path)
+
+
+def _read_legacy_common(checkpoint_dir) -> dict:
+    return _read_common_pt(os.path.join(str(checkpoint_dir), COMMON_STATE_FNAME))
+
+
 def install() -> None:
     filesystem.pickle = _PickleForMetadata()
     default_planner.DefaultLoadPlanner.load_bytes = _load_bytes_weights_only
+    # megatron-core 0.19's load() reads a legacy common.pt through serialization.load_common (torch's
+    # default weights_only, torch's whole allow-list); 0.16 reads it through the common_strategy we pass.
+    if callable(getattr(core_serialization, "load_common_state_dict", None)) and \
+            callable(getattr(core_serialization, "load_common", None)):
+        core_serialization.load_common = _read_legacy_common
 
 
 def _check_items(path: str, metadata: Metadata) -> None:

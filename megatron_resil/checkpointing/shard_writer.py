@@ -112,8 +112,9 @@ def write_buckets(transforms: list, rank: int, buckets: list, results_queue) -> 
 class ChecksummedTorchDistSaveStrategy(TorchDistSaveShardedStrategy):
     """megatron-core's torch_dist save strategy whose shards are written by `write_buckets`."""
 
-    def _get_save_and_finalize_callbacks(self, writer, save_state_dict_ret):
-        request = super()._get_save_and_finalize_callbacks(writer, save_state_dict_ret)
+    def _get_save_and_finalize_callbacks(self, writer, save_state_dict_ret, *async_strategy):
+        # megatron-core 0.19 also passes the async strategy ("mcore" or "nvrx"); 0.16 does not.
+        request = super()._get_save_and_finalize_callbacks(writer, save_state_dict_ret, *async_strategy)
         if request.async_fn is None:  # nothing to write on this rank
             return request
         transforms = [writer.transforms] if hasattr(writer, "transforms") else []

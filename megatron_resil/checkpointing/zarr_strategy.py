@@ -34,12 +34,17 @@ import torch
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, nested_values
 from megatron.core.dist_checkpointing.mapping import CheckpointingException, ShardedTensor, is_main_replica
-from megatron.core.dist_checkpointing.strategies.base import (
-    LoadShardedStrategy,
-    SaveShardedStrategy,
-    StrategyAction,
-    register_default_strategy,
-)
+
+try:  # megatron-core 0.16: sharded strategies registered by (backend, version)
+    from megatron.core.dist_checkpointing.strategies.base import (
+        LoadShardedStrategy,
+        SaveShardedStrategy,
+        StrategyAction,
+        register_default_strategy,
+    )
+except ModuleNotFoundError:  # 0.19: torch_dist only, no registry; --ckpt-format zarr is refused (arguments)
+    LoadShardedStrategy = SaveShardedStrategy = object
+    StrategyAction = register_default_strategy = None
 
 from megatron_resil.checkpointing import untrusted
 from megatron_resil.checkpointing.tier import CheckpointDataError
@@ -409,6 +414,9 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
 
 
 def register() -> None:
-    """Make ('zarr', 1) loadable and savable by default. Safe to call any number of times."""
+    """Make ('zarr', 1) loadable and savable by default. Safe to call any number of times; nothing to do
+    on a megatron-core without a strategy registry (0.19), which cannot read or write zarr at all."""
+    if register_default_strategy is None:
+        return
     register_default_strategy(StrategyAction.LOAD_SHARDED, BACKEND, VERSION, ZarrLoadShardedStrategy())
     register_default_strategy(StrategyAction.SAVE_SHARDED, BACKEND, VERSION, ZarrSaveShardedStrategy())
