@@ -52,7 +52,10 @@ def test_scores_compare_each_rank_with_the_fastest_and_with_its_own_best():
 def test_identification_agrees_with_nvrx_report():
     with warnings.catch_warnings():  # NVRx's pynvml deprecation warning
         warnings.simplefilter("ignore")
-        from nvidia_resiliency_ext.straggler import Report
+        try:  # NVRx 0.4
+            from nvidia_resiliency_ext.straggler import Report
+        except ModuleNotFoundError:  # NVRx 0.7 moved it under attribution/
+            from nvidia_resiliency_ext.attribution.straggler import Report
     scores = score(_timings([0.10, 0.30, 0.12, 0.09], [0.10, 0.15, 0.08, 0.09]))
     report = Report(gpu_relative_perf_scores=scores.relative, section_relative_perf_scores={},
                     gpu_individual_perf_scores=scores.individual, section_individual_perf_scores={},
