@@ -117,3 +117,34 @@ def test_no_verified_copy_anywhere_moves_every_rank_to_the_persistent_checkpoint
         kept = root / "local" / str(holder) / "quarantined"
         assert sorted(p.name for p in kept.glob("iter_0000006_*_local.pt")) == \
             ["iter_0000006_0_local.pt", "iter_0000006_1_local.pt"], holder
+
+
+def test_a_shard_whose_extra_state_carries_a_pickle_moves_every_rank_to_the_persistent_checkpoint(
+        two_ranks_crashed, tmp_path):
+    """Rank 0's own shard rewritten with a pickle in a layer's `_extra_state` and a manifest to match
+    (an attacker controls both): it passes the checksum and the weights-only load, and Transformer
+    Engine would run it in set_extra_state. The local iteration is rejected naming the item, nothing
+    runs, and the resume continues from the persistent checkpoint."""
+    import pickle
+
+    import torch
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    from megatron_resil.checkpointing.local_tier import write_copy
+    from megatron_resil.checkpointing.sealed_shard import SealedShard
+    from tests.test_safe_load import _Planted
+    root = _copy(two_ranks_crashed, tmp_path)
+    marker = tmp_path / "code_ran"
+    path = _shard(root, holder=0, owner=0)
+    state = torch.load(path, weights_only=False)  # the test's own, trusted copy
+    crafted = next(item for item in nested_values(state.sharded_state_dict) if "_extra_state" in item.key)
+    crafted.data = torch.frombuffer(bytearray(pickle.dumps(_Planted(marker))), dtype=torch.uint8)
+    shard = SealedShard.seal(state, iteration=6, owner=0)
+    manifest = json.loads(Path(str(path) + ".manifest.json").read_text())
+    write_copy(path, path.with_suffix(".dirty.pt"), {**manifest, **shard.meta}, shard.payload)
+    out = _resume(root)
+    rejected = [line for line in out.splitlines() if "[resil] load: rejected local iteration 6" in line]
+    assert len(rejected) == 1 and crafted.key in rejected[0] and "system" in rejected[0], out[-3000:]
+    assert "[resil] load: accepted persistent iteration 5" in out
+    assert not marker.exists()
+

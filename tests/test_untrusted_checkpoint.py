@@ -232,6 +232,54 @@ def test_a_genuine_transformer_engine_extra_state_still_verifies(checkpoint):
     assert _verify(checkpoint) is None
 
 
+def _local_candidate(root: Path, extra_state, where: str = "sharded"):
+    """A local tier (rank 0 of 1) holding one sealed shard of iteration 6 with a consistent manifest (an
+    attacker rewrites both), one layer's `_extra_state` being `extra_state`, as a sharded object (how
+    megatron-core saves it) or in the shard's common part under the same key."""
+    import torch
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
+
+    from megatron_resil.checkpointing.local_tier import LocalTier, write_copy
+    from megatron_resil.checkpointing.sealed_shard import SealedShard
+    key = "decoder.layers.mlp.linear_fc1._extra_state"
+    model = {"decoder.layers.mlp.linear_fc1.weight": ShardedTensor.from_rank_offsets(
+        "decoder.layers.mlp.linear_fc1.weight", torch.ones(4, 2))}
+    common = {"iteration": 6}
+    if where == "sharded":
+        model[key] = ShardedObject(key, extra_state, (1,), (0,))
+    else:
+        common["model"] = {key: extra_state}
+    state = MCoreTensorAwareStateDict(common=common, sharded_state_dict={"model": model})
+    shard = SealedShard.seal(state, iteration=6, owner=0)
+    shard.meta["layout"] = ""
+    tier = LocalTier(str(root))
+    tier.my_dir.mkdir(parents=True)
+    write_copy(tier.my_dir / "iter_0000006_0_local.pt", tier.my_dir / "iter_0000006_0_local.dirty.pt",
+               shard.meta, shard.payload)
+    (candidate,) = tier.candidates()
+    return tier, candidate
+
+
+@pytest.mark.parametrize("where", ["sharded", "common"])
+def test_a_local_shard_whose_extra_state_carries_a_pickle_is_rejected_and_never_runs(tmp_path, where):
+    """The local tier's shards are unpickled weights-only, which admits a uint8 tensor; the pickle inside
+    would run when Transformer Engine's set_extra_state reads it, after the candidate was accepted."""
+    marker = tmp_path / "code_ran"
+    tier, candidate = _local_candidate(tmp_path / "local", _as_uint8(pickle.dumps(_Planted(marker))), where)
+    reason = tier.verify(candidate)
+    assert reason is not None and "linear_fc1._extra_state" in reason and "system" in reason, reason
+    assert not marker.exists()
+
+
+def test_a_local_shard_with_a_genuine_transformer_engine_extra_state_verifies(tmp_path):
+    import torch
+    state = {"scale_fwd": torch.ones(3), "amax_history_fwd": torch.zeros(16, 3),
+             "global_fp8_buffer_pos_fwd": 0}
+    tier, candidate = _local_candidate(tmp_path / "local", _as_uint8(pickle.dumps(state)))
+    assert tier.verify(candidate) is None
+
+
 def test_an_oversized_metadata_is_refused_without_reading_it(checkpoint):
     """A 1.5 GiB sparse .metadata: before, every rank read all of it into memory first."""
     with open(checkpoint / ".metadata", "r+b") as f:

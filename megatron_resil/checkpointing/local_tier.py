@@ -35,7 +35,13 @@ from megatron_resil.checkpointing.atomic import atomic_write_text, replace_file_
 from megatron_resil.checkpointing.global_tier import CheckpointSaveError
 from megatron_resil.checkpointing.replication import build_clique_strategy, comm_device
 from megatron_resil.checkpointing.sealed_shard import SealedShard, crc32_of, read_payload
-from megatron_resil.checkpointing.tier import AsyncSaveJob, CheckpointTier, NotForThisRun, TierCandidate
+from megatron_resil.checkpointing.tier import (
+    AsyncSaveJob,
+    CheckpointDataError,
+    CheckpointTier,
+    NotForThisRun,
+    TierCandidate,
+)
 
 MANIFEST_SUFFIX = ".manifest.json"
 QUARANTINE_DIR = "quarantined"
@@ -202,6 +208,8 @@ class LocalTier(CheckpointTier):
         if why is None:
             try:
                 self._fetched = (iteration, shard.unseal())
+            except CheckpointDataError as err:  # e.g. a crafted layer extra state: its own words
+                why = str(err)
             except Exception as err:  # noqa: BLE001 - a verified copy that still does not unpickle
                 why = f"unreadable after verification ({type(err).__name__}: {str(err)[:200]})"
         self._log_replica_use(iteration, sender)

@@ -8,7 +8,8 @@ tensors and each holder pickles them again, so a copy could never be checked aga
 
 Reading a shard unpickles it with `torch.load(weights_only=True)` and only megatron-core's three
 checkpoint classes allowed, and only after its checksum matched: a local checkpoint directory is
-node-local scratch space, and nothing found there runs code.
+node-local scratch space, and nothing found there runs code. A layer's `_extra_state` is checked inside
+too, before anything loads it: Transformer Engine's set_extra_state unpickles those bytes with plain pickle.
 """
 
 from __future__ import annotations
@@ -70,6 +71,25 @@ def read_payload(path) -> torch.Tensor:
     return torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0, dtype=torch.uint8)
 
 
+def check_extra_states(state: MCoreTensorAwareStateDict, name: str) -> None:
+    """Raises UnsafeCheckpointError unless every `_extra_state` entry of an unsealed shard (a sharded
+    object's data, or an entry of its common part under such a key) passes safe_load's allow-lists."""
+    def visit(value, key: str) -> None:
+        if isinstance(value, ShardedObject):
+            key, value = value.key, value.data
+        if "_extra_state" in key:
+            safe_load.check_extra_state(value, f"{name} (item {key})")
+        elif isinstance(value, dict):
+            for inner_key, inner in value.items():
+                visit(inner, str(inner_key))
+        elif isinstance(value, (list, tuple)):
+            for inner in value:
+                visit(inner, key)
+
+    visit(state.common, "")
+    visit(state.sharded_state_dict, "")
+
+
 class SealedShard(TensorAwareStateDict):
     """Bytes plus the owner's account of them: {"iteration", "owner", "size", "crc32"}.
 
@@ -106,9 +126,9 @@ class SealedShard(TensorAwareStateDict):
         return None
 
     def unseal(self) -> MCoreTensorAwareStateDict:
-        state = safe_load.load_weights_only(_BufferReader(self.payload.numpy()),
-                                            f"the local shard of rank {self.meta.get('owner')}",
-                                            extra=_SAFE_CLASSES)
+        name = f"the local shard of rank {self.meta.get('owner')}"
+        state = safe_load.load_weights_only(_BufferReader(self.payload.numpy()), name, extra=_SAFE_CLASSES)
+        check_extra_states(state, name)
         state.restore_tensor_device(non_blocking=False)
         return state
 
