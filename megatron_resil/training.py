@@ -6,6 +6,7 @@ its DDP reduces the gradients, its optimizer updates."""
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 from functools import partial
 
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_batch_on_this_cp_rank
 
 from megatron_resil import (
     core_fixes,
@@ -45,6 +47,10 @@ from megatron_resil.stop_conditions import StopConditions
 from megatron_resil.straggler import StragglerDetection
 from megatron_resil.tokenizer import build_tokenizer
 from megatron_resil.train_log import TrainLogger
+
+# megatron-core 0.19 asks whether context parallelism is "hybrid" (we run the plain kind); 0.16 does not.
+_CP_ARGS = ({"is_hybrid_cp": False}
+            if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters else {})
 
 
 def pretrain(args: argparse.Namespace) -> int:
@@ -199,6 +205,12 @@ def _forward_step(args, dataset, consumed: int, on_loss, microbatches, chunk):
     batch = get_microbatch(dataset, consumed, next(microbatches), args.micro_batch_size,
                            parallel_state.get_data_parallel_rank(),
                            parallel_state.get_data_parallel_world_size())
+    # The context-parallel ranks of a data-parallel rank read the same microbatch; each keeps its part of
+    # the sequence (megatron-core's load-balanced chunks). The loss needs nothing more, as in Megatron-LM:
+    # each rank's sum is divided by its own token count, DDP averages the gradients over data x context
+    # parallel ranks, and the reported loss sums losses and tokens over that same group.
+    if args.context_parallel_size > 1:
+        batch = get_batch_on_this_cp_rank(batch, **_CP_ARGS)
     batch = {key: value.to(parallel.device()) for key, value in batch.items()}
     output = chunk(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, partial(_loss, batch["loss_mask"], on_loss)

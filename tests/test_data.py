@@ -252,3 +252,53 @@ def test_split_without_documents_fails_instead_of_hanging(tmp_path):
         build_datasets(args, build_tokenizer(args))
     with pytest.raises(ValueError, match="leaves nothing for training"):
         build_datasets(data_args(tmp_path, data_path=[prefix], split="0,1,0"), build_tokenizer(args))
+
+
+def _forward_step_inputs_on_cp_rank(rank: int, store_path: str, out_dir: str) -> None:
+    """One of two ranks with megatron-core's groups built for context parallel 2 (gloo): runs the
+    trainer's forward step over a recording model and saves what the model and the loss were given."""
+    from functools import partial
+
+    from megatron.core import parallel_state
+
+    from megatron_resil import training
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    parallel_state.initialize_model_parallel(context_parallel_size=2)
+    seen = {}
+
+    def model(tokens, position_ids, attention_mask, labels):
+        seen.update(tokens=tokens, position_ids=position_ids, labels=labels)
+        return torch.zeros(labels.shape)
+
+    sequence = torch.arange(8)  # a sample whose every field spells out its token positions
+    dataset = [{"tokens": sequence + 100 * i, "labels": sequence + 100 * i + 1000,
+                "loss_mask": sequence + 100 * i + 2000, "position_ids": sequence} for i in range(2)]
+    args = argparse.Namespace(micro_batch_size=2, context_parallel_size=2)
+    _, loss = training._forward_step(args, dataset, 0, None, iter([0]), model)
+    assert isinstance(loss, partial)
+    seen["loss_mask"] = loss.args[0]
+    torch.save(seen, Path(out_dir) / f"{rank}.pt")
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def test_each_context_parallel_rank_gets_its_load_balanced_part_of_the_sequence(tmp_path):
+    """Context parallel 2 splits a sequence of 8 into 4 chunks of 2: rank 0 holds chunks 0 and 3, rank 1
+    chunks 1 and 2 (megatron-core's load balancing for causal attention), the same positions in every
+    field. Before, every context-parallel rank was handed the whole sequence."""
+    context = torch.multiprocessing.get_context("fork")  # the children need no imports of their own
+    workers = [context.Process(target=_forward_step_inputs_on_cp_rank,
+                               args=(rank, str(tmp_path / "store"), str(tmp_path))) for rank in range(2)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(120)
+    assert [worker.exitcode for worker in workers] == [0, 0]
+    expected = {0: [0, 1, 6, 7], 1: [2, 3, 4, 5]}
+    for rank, positions in expected.items():
+        seen = torch.load(tmp_path / f"{rank}.pt")
+        chunk = torch.tensor(positions)
+        assert torch.equal(seen["position_ids"], torch.stack([chunk, chunk]))
+        for key, offset in (("tokens", 0), ("labels", 1000), ("loss_mask", 2000)):
+            assert torch.equal(seen[key], torch.stack([chunk + offset, chunk + 100 + offset])), key

@@ -121,6 +121,10 @@ def _validate_sequence_and_context(args: argparse.Namespace) -> None:
                                 "attention only in Transformer Engine; use --context-parallel-size 1 on CPU")
         if args.transformer_impl != "transformer_engine":
             raise ArgumentError("--context-parallel-size > 1 needs --transformer-impl transformer_engine")
+        chunks = 2 * args.context_parallel_size  # megatron-core's load-balanced split of each sequence
+        if args.seq_length % chunks:
+            raise ArgumentError(f"--context-parallel-size {args.context_parallel_size} needs --seq-length "
+                                f"{args.seq_length} divisible by {chunks} (twice the context-parallel size)")
 
 
 def _validate_data_parallel_engine(args: argparse.Namespace) -> None:
