@@ -6,6 +6,8 @@ rank holds (several with virtual pipeline stages), each cast for --bf16/--fp16 a
 from __future__ import annotations
 
 import argparse
+import importlib.util
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +18,8 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module, MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+from megatron_resil.arguments.model import transformer_engine_available
 
 
 class LocalNorm:
@@ -45,6 +49,45 @@ def params_dtype(args: argparse.Namespace) -> torch.dtype:
     if args.bf16:
         return torch.bfloat16
     return torch.float16 if args.fp16 else torch.float32
+
+
+@dataclass(frozen=True)
+class FusedKernels:
+    """Which optional fused kernels can be imported here."""
+    gradient_accumulation: bool  # Apex's fused_weight_gradient_mlp_cuda (megatron-core's linear layers)
+    masked_softmax: bool  # the scaled (upper-triangular) masked softmax kernels (Apex, Megatron-LM's build)
+    transformer_engine: bool  # the fused rotary embedding
+
+    @classmethod
+    def installed(cls) -> FusedKernels:
+        def importable(*names: str) -> bool:
+            return all(importlib.util.find_spec(name) is not None for name in names)
+        return cls(importable("fused_weight_gradient_mlp_cuda"),
+                   importable("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda"),
+                   transformer_engine_available())
+
+
+def fusions(args: argparse.Namespace, cuda: bool, kernels: FusedKernels) -> dict[str, bool]:
+    """TransformerConfig's fusion switches. On CPU all off: the fused paths are CUDA kernels, and the unfused
+    ones compute the same model. On GPU, Megatron-LM's choices (each on unless its --no-*-fusion flag is
+    given), except that a fusion whose kernel is not installed stays off instead of failing at its first use:
+    megatron-core raises for gradient accumulation fusion without Apex's kernel, the masked softmax import
+    fails inside the first attention, and rope fusion needs Transformer Engine."""
+    if not cuda:
+        return dict.fromkeys(("gradient_accumulation_fusion", "bias_activation_fusion", "bias_dropout_fusion",
+                              "masked_softmax_fusion", "persist_layer_norm", "apply_rope_fusion"), False)
+    # As Megatron-LM: swiglu's switch for swiglu, gelu's otherwise, and no gelu fusion without a bias.
+    bias_activation = args.bias_swiglu_fusion if args.swiglu else \
+        args.bias_gelu_fusion and not args.disable_bias_linear
+    return {
+        "gradient_accumulation_fusion": args.gradient_accumulation_fusion and kernels.gradient_accumulation,
+        "bias_activation_fusion": bias_activation,
+        "bias_dropout_fusion": args.bias_dropout_fusion,
+        "masked_softmax_fusion": args.masked_softmax_fusion and kernels.masked_softmax,
+        "persist_layer_norm": not args.no_persist_layer_norm,
+        "apply_rope_fusion": args.apply_rope_fusion and args.position_embedding_type == "rope"
+        and kernels.transformer_engine,
+    }
 
 
 def transformer_config(args: argparse.Namespace) -> TransformerConfig:
@@ -86,13 +129,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         # with two pipeline ranks (Megatron-LM #750): separate calls keep them in order.
         batch_p2p_comm=args.virtual_pipeline_model_parallel_size is None,
         use_cpu_initialization=args.use_cpu_initialization,
-        # Fused kernels need CUDA extensions; the unfused paths compute the same model.
-        gradient_accumulation_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
+        **fusions(args, torch.cuda.is_available(), FusedKernels.installed()),
     )
 
 

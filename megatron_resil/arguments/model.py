@@ -32,6 +32,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default=None,
                    help="default: transformer_engine when CUDA and Transformer Engine are present, "
                         "else local")
+    for flag, dest, what in _FUSION_SWITCHES:
+        g.add_argument(flag, action="store_false", dest=dest, help=f"disable {what} (a GPU fusion)")
+    g.add_argument("--no-persist-layer-norm", action="store_true",
+                   help="disable Apex's persistent fused layer norm kernel (GPU only)")
+
+
+# Megatron-LM's fusion switches, each on unless turned off; model.fusions decides what a run gets.
+_FUSION_SWITCHES = (
+    ("--no-masked-softmax-fusion", "masked_softmax_fusion", "fusing query-key scaling, masking and softmax"),
+    ("--no-bias-gelu-fusion", "bias_gelu_fusion", "bias and gelu fusion"),
+    ("--no-bias-swiglu-fusion", "bias_swiglu_fusion", "bias and swiglu fusion"),
+    ("--no-bias-dropout-fusion", "bias_dropout_fusion", "bias and dropout fusion"),
+    ("--no-rope-fusion", "apply_rope_fusion", "rope fusion"),
+    ("--no-gradient-accumulation-fusion", "gradient_accumulation_fusion",
+     "fusing gradient accumulation into the weight-gradient computation of linear layers"),
+)
 
 
 def transformer_engine_available() -> bool:

@@ -24,6 +24,7 @@ import signal
 import time
 from dataclasses import dataclass
 
+import torch
 import torch.multiprocessing as mp
 
 from megatron_resil import cpu_compat, events, launcher_watch, parallel
@@ -34,9 +35,24 @@ WORKER_NAME = b"resil-ckpt-wkr"  # the process name (comm) operators and tests s
 _READY = -1  # the tag of the worker's first message: started and imported, ready to write
 
 
-def _worker_loop(trainer_pid: int, requests, results) -> None:
+def trainer_device_index() -> int | None:
+    """The CUDA device this rank trains on (the LOCAL_RANK parallel.initialize chose); None without CUDA."""
+    device = parallel.device()
+    return device.index if device.type == "cuda" else None
+
+
+def bind_device(index: int | None) -> None:
+    """Put the worker on its trainer's GPU before anything in it touches CUDA. megatron-core's preload
+    (an async save's first step) calls torch.cuda.synchronize(): in a process that never chose a device
+    that opens a CUDA context on GPU 0, so every rank's worker would crowd GPU 0's memory."""
+    if index is not None:
+        torch.cuda.set_device(index)
+
+
+def _worker_loop(trainer_pid: int, device_index: int | None, requests, results) -> None:
     """Run the write jobs the trainer sends (each tier's `AsyncSaveJob.work`), report. Deaf to the job-wide
     SIGTERM/SIGINT (so a preemption does not break the save it asks for), gone with its trainer."""
+    bind_device(device_index)  # first: before any CUDA call
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     cpu_compat.apply_if_needed()  # megatron-core's writer synchronises CUDA
@@ -104,7 +120,8 @@ class WriterProcess:
         # Not a daemon: megatron-core's writer forks its own writers. So that an exiting trainer
         # never waits on it, it is killed at exit (a pending save is unpublishable then anyway).
         self.process = self._ctx.Process(target=_worker_loop,
-                                         args=(os.getpid(), self._requests, self._results))
+                                         args=(os.getpid(), trainer_device_index(), self._requests,
+                                               self._results))
         self.process.start()
         self.started_at, self.ready_at = time.monotonic(), None
         self._killed_by_us = False
@@ -201,8 +218,9 @@ class AsyncSaves:
         if status == "running" and ready is None and \
                 time.monotonic() - self.worker.started_at > self.timeout_secs + WORKER_STARTUP_GRACE_SECS:
             self.worker.kill()
-            status, payload = "failed", (f"the worker did not start within {WORKER_STARTUP_GRACE_SECS:g} s "
-                                         f"plus --async-save-timeout-secs {self.timeout_secs:g} and was killed")
+            status, payload = "failed", (
+                f"the worker did not start within {WORKER_STARTUP_GRACE_SECS:g} s plus "
+                f"--async-save-timeout-secs {self.timeout_secs:g} and was killed")
         elif status == "running" and ready is not None and \
                 time.monotonic() - max(self.pending.started, ready) > self.timeout_secs:
             self.worker.kill()

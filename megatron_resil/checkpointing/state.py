@@ -14,6 +14,7 @@ own metadata, so a checkpoint saved with one sharding type loads into a run conf
 from __future__ import annotations
 
 import argparse
+import hashlib
 
 import torch
 from megatron.core import parallel_state
@@ -21,7 +22,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.safe_globals import register_safe_globals
 from megatron.core.utils import unwrap_model
 
-from megatron_resil import parallel, rerun
+from megatron_resil import events, parallel, rerun
 from megatron_resil.checkpointing.tier import CheckpointFormatError
 from megatron_resil.progress import TrainProgress
 
@@ -115,6 +116,44 @@ def check_format(saved_args) -> None:
             "optimizer state starts fresh), or use --finetune")
 
 
+def _seed_from(state, salt: str) -> int:
+    """A seed derived from a saved generator state: the same on every rank that holds the same state."""
+    data = state.numpy().tobytes() if isinstance(state, torch.Tensor) else repr(state).encode()
+    return int.from_bytes(hashlib.sha256(salt.encode() + data).digest()[:8], "little") >> 1
+
+
+def _seeded_state(seed: int, cuda: bool) -> torch.Tensor:
+    """A fresh generator state in this device's format (CUDA's Philox or the CPU's Mersenne Twister)."""
+    return torch.Generator(device="cuda" if cuda else "cpu").manual_seed(seed).get_state()
+
+
+def rng_for_this_device(saved: dict) -> tuple[dict, list[str]]:
+    """The saved RNG states in a form this device can set, and what had to be translated. A CPU-written
+    checkpoint holds an empty CUDA state and CPU-format tracker states, which torch.cuda.set_rng_state and
+    the tracker's first fork refuse on a GPU; a GPU-written one holds CUDA-format tracker states, which the
+    CPU tracker (cpu_compat) refuses at the first dropout. Each state of the wrong format is replaced by one
+    seeded from the saved state it stands for (the CUDA generator's from the saved CPU generator's), so
+    ranks that saved equal states (data-parallel replicas) still draw equal numbers, and those that saved
+    different ones (tensor-parallel ranks' tracker streams) still draw different ones."""
+    cuda = torch.cuda.is_available()
+    size = (torch.cuda.get_rng_state() if cuda else torch.get_rng_state()).numel()
+
+    def foreign(state) -> bool:
+        return not (isinstance(state, torch.Tensor) and state.dtype == torch.uint8 and state.numel() == size)
+
+    rng, translated = dict(saved), []
+    if cuda and foreign(saved["cuda_rng_state"]):
+        rng["cuda_rng_state"] = _seeded_state(_seed_from(saved["torch_rng_state"], "cuda"), cuda)
+        translated.append("the CUDA generator")
+    trackers = saved["rng_tracker_states"]
+    moved = sorted(name for name, state in trackers.items() if foreign(state))
+    if moved:
+        rng["rng_tracker_states"] = {name: _seeded_state(_seed_from(state, name), cuda) if name in moved
+                                     else state for name, state in trackers.items()}
+        translated.append("the tracker's " + ", ".join(moved))
+    return rng, translated
+
+
 def restore(loaded: dict, model: list, optimizer, scheduler, *, load_optimizer: bool, load_rng: bool,
             finetune: bool) -> TrainProgress:
     for key, chunk in zip(_model_keys(model), unwrap_model(model), strict=True):
@@ -127,7 +166,13 @@ def restore(loaded: dict, model: list, optimizer, scheduler, *, load_optimizer: 
             optimizer.load_state_dict(loaded["optimizer"])
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if load_rng:
-        parallel.set_rng_state(loaded["rng_state"][0])
+        rng, translated = rng_for_this_device(loaded["rng_state"][0])
+        if translated:
+            events.decision("rng", f"the checkpoint's RNG states were written on another kind of device; "
+                            f"{' and '.join(translated)} reseeded deterministically from the saved states "
+                            "(training continues; its dropout masks differ from a run that never moved)",
+                            translated=translated)
+        parallel.set_rng_state(rng)
     record = loaded["args"]
     saved = vars(record) if isinstance(record, argparse.Namespace) else record
     return TrainProgress(
