@@ -416,11 +416,12 @@ def test_finetune_restarts_at_iteration_0_from_the_trained_weights(tp2_job):
 
 def test_demo_script_stops_at_20_and_resumes_to_30(tmp_path):
     venv = Path(sys.prefix)
-    setup_py = launch.REPO / "setup.py"
-    stamp = venv / f".megatron-resil-{hashlib.sha1(setup_py.read_bytes()).hexdigest()[:12]}"
+    # scripts/setup_env.sh's stamp: setup.py and the constraints it installs through.
+    stamped = b"".join((launch.REPO / name).read_bytes() for name in ("setup.py", "scripts/constraints.txt"))
+    stamp = venv / f".megatron-resil-{hashlib.sha1(stamped).hexdigest()[:12]}"
     if not stamp.exists():
-        pytest.skip(f"{venv} is not set up for this setup.py ({stamp.name} missing); demo.sh would "
-                    "pip install into it")
+        pytest.skip(f"{venv} is not set up for this setup.py and constraints ({stamp.name} missing); demo.sh "
+                    "would pip install into it")
     env = {**launch.env(), "RESIL_VENV": str(venv), "DEMO_DIR": str(tmp_path)}
     result = subprocess.run(["bash", str(launch.REPO / "scripts" / "demo.sh")], env=env, cwd=launch.REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
