@@ -120,14 +120,14 @@ class ExitSignalHandler:
     def _exit_during_load(self) -> None:
         self._exit(f"{self.signal_name} received while loading the checkpoint; nothing trained since, so "
                    f"nothing to save; the checkpoints on disk are as they were; exiting with code "
-                   f"{exit_codes.SIGNAL_SAVED}", exit_codes.SIGNAL_SAVED)
+                   f"{exit_codes.SIGNAL_SAVED}", exit_codes.SIGNAL_SAVED, requeue=True)
 
     @staticmethod
-    def _exit(message: str, code: int) -> None:
+    def _exit(message: str, code: int, **fields) -> None:
         try:
             sys.stderr.write(f"[resil] exit: {message}\n")
             sys.stderr.flush()
-            events.record("exit", message=message, exit_code=code, requeue=True)
+            events.record("exit", message=message, exit_code=code, **fields)
             # megatron-core's writer forks a process per file; orphaned mid-write they block forever.
             for child in multiprocessing.active_children():
                 with contextlib.suppress(OSError):

@@ -321,8 +321,8 @@ def test_removing_a_leftover_of_any_depth_follows_no_link(tmp_path):
 @pytest.mark.slow
 def test_a_resume_falls_back_past_each_crafted_checkpoint_and_says_why(tmp_path):
     """The newest checkpoint's .metadata reads a shard from a FIFO outside (no writer: the resume hung
-    forever), the next one's extra state carries a pickle (exit 3 before), the next is a link to a
-    corrupt copy elsewhere; the resume loads iteration 1 and names each file and reason on one line."""
+    forever), the next one's extra state carries a pickle (exit 3 before), the next is a link to its own
+    copy moved elsewhere; the resume loads iteration 1 and names each file and reason on one line."""
     save = tmp_path / "ckpt"
     marker = tmp_path / "code_ran"
     args = [*launch.TINY_MODEL, *launch.TINY_TRAINING, "--save", str(save), "--load", str(save),
