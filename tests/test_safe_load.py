@@ -134,14 +134,20 @@ def test_torchs_own_readers_refuse_it_too(checkpoint, tmp_path):
     assert not marker.exists()
 
 
-@pytest.mark.slow
-def test_the_loader_rejects_each_planted_checkpoint_and_resumes_from_a_clean_one(tmp_path):
-    save = tmp_path / "ckpt"
-    marker = tmp_path / "code_ran"
+def checkpoints_of_iterations_1_to_4(save: Path) -> list[str]:
+    """Trains 4 iterations saving each one under `save`; returns the arguments that resume there."""
     args = [*launch.TINY_MODEL, *launch.TINY_TRAINING, "--save", str(save), "--load", str(save),
             "--save-interval", "1"]
     first = launch.run([*args, "--train-iters", "4"])
     assert first.returncode == 0, first.stdout[-3000:]
+    return args
+
+
+@pytest.mark.slow
+def test_the_loader_rejects_each_planted_checkpoint_and_resumes_from_a_clean_one(tmp_path):
+    save = tmp_path / "ckpt"
+    marker = tmp_path / "code_ran"
+    args = checkpoints_of_iterations_1_to_4(save)
     # No manifest: accepted with a warning before, so the checksums are no obstacle (an attacker
     # could as well rewrite them).
     for iteration, plant in ((4, _plant_in_metadata), (3, _plant_in_common), (2, _plant_in_byte_item)):

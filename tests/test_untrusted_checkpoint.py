@@ -20,7 +20,13 @@ from pathlib import Path
 import pytest
 
 from tests import launch
-from tests.test_safe_load import V0_1, _metadata, _Planted, replace_byte_item
+from tests.test_safe_load import (
+    V0_1,
+    _metadata,
+    _Planted,
+    checkpoints_of_iterations_1_to_4,
+    replace_byte_item,
+)
 
 ITERATION = 2
 
@@ -325,10 +331,7 @@ def test_a_resume_falls_back_past_each_crafted_checkpoint_and_says_why(tmp_path)
     copy moved elsewhere; the resume loads iteration 1 and names each file and reason on one line."""
     save = tmp_path / "ckpt"
     marker = tmp_path / "code_ran"
-    args = [*launch.TINY_MODEL, *launch.TINY_TRAINING, "--save", str(save), "--load", str(save),
-            "--save-interval", "1"]
-    first = launch.run([*args, "--train-iters", "4"])
-    assert first.returncode == 0, first.stdout[-3000:]
+    args = checkpoints_of_iterations_1_to_4(save)
 
     fifo = tmp_path / "outside.fifo"
     os.mkfifo(fifo)
