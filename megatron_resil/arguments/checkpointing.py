@@ -76,6 +76,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "data-parallel ranks and skip the sharding validation")
     g.add_argument("--ckpt-skip-checksums", action="store_true",
                    help="do not verify file checksums on load (sizes and the manifest still are)")
+    g.add_argument("--verify-integrity", action="store_true",
+                   help="as in Megatron-LM: every global checkpoint saved gets its SHA-256 manifest "
+                        "(integrity.json), and a checkpoint loaded must have one (one without it is passed "
+                        "over, not quarantined); torch_dist only. Without this flag, a checkpoint that has "
+                        "one is still checked against it")
 
 
 def _check_dir_flag(flag: str, path: str | None) -> None:
@@ -127,6 +132,12 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     if args.ckpt_format not in SUPPORTED_FORMATS:
         raise ArgumentError(
             f"--ckpt-format {args.ckpt_format} is not supported; use --ckpt-format torch_dist or zarr")
+    if args.verify_integrity and args.ckpt_format != "torch_dist":
+        raise ArgumentError(f"--verify-integrity works with --ckpt-format torch_dist only (as in "
+                            f"Megatron-LM), not {args.ckpt_format}; drop one of them")
+    if args.verify_integrity and args.ckpt_skip_checksums:
+        raise ArgumentError("--verify-integrity asks for every file's SHA-256 to be checked on load, "
+                            "--ckpt-skip-checksums for none; drop one of them")
     _check_dir_flag("--save", args.save)
     _check_dir_flag("--load", args.load)
     _check_writable("--save", args.save)

@@ -1,9 +1,10 @@
 """A global checkpoint tier (a directory on shared storage) through megatron-core's dist_checkpointing,
 in torch_dist format or, with --ckpt-format zarr, in zarr v3 through our tensorstore strategy.
 
-Save: write into a staging directory, fsync everything, add the manifest, rename into place,
-then replace the tracker. Load order: the checkpoint the tracker names, then every other
-published one, newest first. Leftovers of interrupted saves are cleaned at start-up.
+Save: write into a staging directory, fsync everything, add the manifest (and, with --verify-integrity,
+Megatron-LM's integrity.json before it), rename into place, then replace the tracker. Load order: the
+checkpoint the tracker names, then every other published one, newest first. Leftovers of interrupted
+saves are cleaned at start-up.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from megatron_resil import events, launcher_watch, parallel
 from megatron_resil.checkpointing import (
     dcp_writer,
     layout,
+    megatron_integrity,
     safe_load,
     shard_writer,
     untrusted,
@@ -36,13 +38,14 @@ from megatron_resil.checkpointing.atomic import (
     replace_file_text,
 )
 from megatron_resil.checkpointing.manifest import (
+    check_manifest,
     checksum_files,
     has_manifest,
-    verify_manifest,
+    read_manifest,
     write_manifest,
 )
 from megatron_resil.checkpointing.snapshot import SnapshotBuffers
-from megatron_resil.checkpointing.tier import AsyncSaveJob, CheckpointTier, TierCandidate
+from megatron_resil.checkpointing.tier import AsyncSaveJob, CheckpointTier, NotForThisRun, TierCandidate
 from megatron_resil.checkpointing.tracker import read_tracker, write_tracker
 
 FORMATS = ("torch_dist", "zarr")
@@ -71,14 +74,18 @@ def _make_staging(root: str, iteration: int) -> str:
 class GlobalTier(CheckpointTier):
     def __init__(self, root: str, name: str = "persistent", write_tracker: bool = True,
                  verify_checksums: bool = True, ckpt_format: str = "torch_dist",
-                 assume_constant_structure: bool = False) -> None:
+                 assume_constant_structure: bool = False, verify_integrity: bool = False) -> None:
         assert ckpt_format in FORMATS, ckpt_format
+        assert not verify_integrity or ckpt_format == "torch_dist", "--verify-integrity is torch_dist only"
         self.root = root
         self.name = name
         self.ckpt_format = ckpt_format  # what saves write; loads read either, as recorded in each checkpoint
         self.supports_async_save = ckpt_format == "torch_dist"  # as in Megatron
         self.write_tracker = write_tracker
         self.verify_checksums = verify_checksums
+        # Megatron-LM's --verify-integrity: saves add its SHA-256 manifest (integrity.json); loads require
+        # one. Without it, a checkpoint that carries one is still checked against it.
+        self.verify_integrity = verify_integrity
         self.on_staged = None  # called with the iteration after the shards are written, before publish
         self._common_of: tuple[str, dict] | None = None
         # A --load that is not this run's --save is only read: a rejected checkpoint there stays put.
@@ -128,17 +135,37 @@ class GlobalTier(CheckpointTier):
         marker = ".metadata" if backend == "torch_dist" else "metadata.json"
         if not os.path.isfile(os.path.join(path, marker)):
             return f"incomplete (no {marker})"
-        if not has_manifest(path):
-            events.warn(f"{path} has no manifest: saved by Megatron-LM or an older megatron-resil; "
-                        f"only the presence of {marker} was checked")
+        integrity, reason = megatron_integrity.read_integrity_manifest(path)
+        if reason is not None:
+            return reason
+        manifest = None
+        if has_manifest(path):
+            manifest, reason = read_manifest(path)
+            if manifest is None:
+                return reason
+        # Unless our manifest says it had one: then it is missing, and check_manifest says so.
+        if integrity is None and self.verify_integrity and \
+                (manifest is None or megatron_integrity.INTEGRITY_NAME not in manifest["files"]):
+            return NotForThisRun(f"saved without --verify-integrity: it has no {megatron_integrity.WHAT}; "
+                                 "drop --verify-integrity to load it (its own manifest, if any, is still "
+                                 "checked)")
+        share = (parallel.rank(), dist.get_world_size() if dist.is_initialized() else 1)
+        hashed: set[str] = set()  # the files our manifest's reading also checked against integrity.json
+        if manifest is None:
+            checked = f"only the presence of {marker} was checked" if integrity is None else \
+                f"its files are checked against {megatron_integrity.WHAT} instead"
+            events.warn(f"{path} has no manifest: saved by Megatron-LM or an older megatron-resil; {checked}")
         else:
             is_release = os.path.basename(path) == layout.RELEASE_DIR
-            world = dist.get_world_size() if dist.is_initialized() else 1
             # Every rank checks all sizes and the checksums of its share of the files.
-            reason = verify_manifest(path, None if is_release else candidate.iteration,
-                                     share=(parallel.rank(), world), checksums=self.verify_checksums)
+            reason = check_manifest(path, manifest, None if is_release else candidate.iteration, share=share,
+                                    checksums=self.verify_checksums, sha256=integrity)
             if reason is not None:
                 return reason
+            hashed = set(manifest["files"])
+        if integrity is not None and (reason := megatron_integrity.verify_integrity_manifest(
+                path, integrity, share=share, checksums=self.verify_checksums, hashed_elsewhere=hashed)):
+            return reason
         # Checksums cannot vouch for what the bytes ask an unpickler to do, nor for the paths and shapes
         # they name: whoever wrote them could have written the manifest.
         if backend == "zarr" and (reason := zarr_strategy.check_metadata(path)) is not None:
@@ -212,6 +239,8 @@ class GlobalTier(CheckpointTier):
                                             validate_access_integrity=validate,
                                             content_metadata=self.content_metadata)
                 own = shard_writer.own_shard_checksums(staging, parallel.rank())
+                if self.verify_integrity:  # each rank hashes what it wrote; rank 0 the rest, at publish
+                    megatron_integrity.add_sha256(staging, own)
         except (Exception, CheckpointException) as err:  # DCP's is a BaseException
             failure = _one_line(err)
         outcomes = parallel.all_gather_object((own, failure))  # also: every rank's shards are written
@@ -262,7 +291,7 @@ class GlobalTier(CheckpointTier):
 
         return AsyncSaveJob(iteration, write_own_shards,
                             (parallel.rank(), staging, request.async_fn, request.preload_fn,
-                             request.async_fn_args),
+                             request.async_fn_args, self.verify_integrity),
                             publish, lambda: self.abandon(staging))
 
     def finish(self, staging: str, iteration: int, checksums: dict) -> str:
@@ -308,6 +337,10 @@ class GlobalTier(CheckpointTier):
 
     def _publish(self, staging: str, final: str, iteration: int, checksums: dict) -> None:
         fsync_tree(staging)  # common.pt and metadata.json are written without fsync
+        # Megatron-LM writes it after metadata.json; before ours, so that ours covers it too.
+        if self.verify_integrity:
+            megatron_integrity.write_integrity_manifest(
+                staging, {rel: entry.pop("sha256") for rel, entry in checksums.items() if "sha256" in entry})
         write_manifest(staging, iteration, self.ckpt_format, checksums)
         fsync_dir(staging)
         # A rank whose launcher died stops without publishing (launcher_watch): its watch thread may
@@ -345,20 +378,24 @@ class GlobalTier(CheckpointTier):
                     # Died between the two renames of a non-atomic replace: put the old one back.
                     _cleanup_step(f"restored {final} from interrupted replace {path}",
                                   f"restore {final} from interrupted replace {path}",
-                                  lambda: (os.rename(path, final), fsync_dir(self.root)))
+                                  lambda path=path, final=final: (os.rename(path, final),
+                                                                  fsync_dir(self.root)))
                 else:
                     _cleanup_step(f"removed {path}: leftover of a completed replace",
-                                  f"remove {path} (leftover of a completed replace)", lambda: _rmtree(path))
+                                  f"remove {path} (leftover of a completed replace)",
+                                  lambda path=path: _rmtree(path))
             for path in found["deleting"]:
                 _cleanup_step(f"removed {path}: interrupted retention deletion",
-                              f"remove {path} (interrupted retention deletion)", lambda: _rmtree(path))
+                              f"remove {path} (interrupted retention deletion)",
+                              lambda path=path: _rmtree(path))
             for path in found["staging"]:
                 _cleanup_step(f"removed {path}: leftover of a save interrupted before it was published; "
                               "never loaded", f"remove {path} (leftover of an interrupted save)",
-                              lambda: _rmtree(path))
+                              lambda path=path: _rmtree(path))
             for path in found["tracker_tmp"]:
                 _cleanup_step(f"removed {path}: interrupted tracker update",
-                              f"remove {path} (interrupted tracker update)", lambda: os.remove(path))
+                              f"remove {path} (interrupted tracker update)",
+                              lambda path=path: os.remove(path))
         _barrier()
 
 
@@ -380,17 +417,20 @@ def _cleanup_step(done: str, failed: str, step) -> None:
     events.decision("cleanup", done)
 
 
-def write_own_shards(rank: int, staging: str, write_fn, preload_fn, write_args) -> dict:
+def write_own_shards(rank: int, staging: str, write_fn, preload_fn, write_args, sha256: bool = False) -> dict:
     """An async save's background work (in the worker process): write this rank's shards (the
     strategy's write function, shard_writer.write_buckets) and return their checksums, computed by
-    the writer of the data."""
+    the writer of the data, and with `sha256` (--verify-integrity) their SHA-256s, read back here."""
     if write_fn is not None:  # None: this rank has nothing to write in this save
         write_args = list(write_args)
         if preload_fn is not None:
             write_args[1] = preload_fn()
         with dcp_writer.without_torch_record_crc():
             write_fn(*write_args)
-    return shard_writer.own_shard_checksums(staging, rank)
+    own = shard_writer.own_shard_checksums(staging, rank)
+    if sha256:
+        megatron_integrity.add_sha256(staging, own)
+    return own
 
 
 def _one_line(err: BaseException) -> str:

@@ -54,6 +54,7 @@ class CheckpointConfig:
     async_max_failures: int
     ckpt_format: str
     assume_constant_structure: bool
+    verify_integrity: bool  # Megatron-LM's SHA-256 manifest: written by saves, required by loads
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> CheckpointConfig:
@@ -76,7 +77,8 @@ class CheckpointConfig:
                    async_save=args.async_save, async_timeout_secs=args.async_save_timeout_secs,
                    async_max_failures=args.async_save_max_failures,
                    ckpt_format=args.ckpt_format,
-                   assume_constant_structure=args.ckpt_assume_constant_structure)
+                   assume_constant_structure=args.ckpt_assume_constant_structure,
+                   verify_integrity=args.verify_integrity)
 
 
 class CheckpointManager:
@@ -86,7 +88,8 @@ class CheckpointManager:
         self.config = config
         self.model, self.optimizer, self.scheduler, self.args = model, optimizer, scheduler, args
         self.save_tier = GlobalTier(config.save, ckpt_format=config.ckpt_format,
-                                    assume_constant_structure=config.assume_constant_structure) \
+                                    assume_constant_structure=config.assume_constant_structure,
+                                    verify_integrity=config.verify_integrity) \
             if config.save else None
         self.non_persistent_tier = _non_persistent_tier(config, parallel_layout(args))
         for tier in (self.save_tier, self.non_persistent_tier):
@@ -155,7 +158,8 @@ class CheckpointManager:
         return None if result is None else self._restore(result)
 
     def _persistent_tier(self) -> GlobalTier:
-        tier = GlobalTier(self.config.load, verify_checksums=self.config.verify_checksums)
+        tier = GlobalTier(self.config.load, verify_checksums=self.config.verify_checksums,
+                          verify_integrity=self.config.verify_integrity)
         tier.content_metadata = state.sharding_metadata(self.args)
         tier.read_only = not _same_dir(self.config.load, self.config.save)
         return tier
@@ -314,7 +318,8 @@ def _non_persistent_tier(config: CheckpointConfig, layout_of_run: str) -> Checkp
     if config.non_persistent_dir is not None:
         return GlobalTier(config.non_persistent_dir, name="non-persistent",
                           verify_checksums=config.verify_checksums, ckpt_format=config.ckpt_format,
-                          assume_constant_structure=config.assume_constant_structure)
+                          assume_constant_structure=config.assume_constant_structure,
+                          verify_integrity=config.verify_integrity)
     return None
 
 

@@ -5,22 +5,26 @@ Checksums are computed at save time by the rank that wrote each file (`checksum_
 and recorded by rank 0. Verification compares the directory with the manifest: a missing or
 truncated file, flipped bits, the wrong iteration, a missing or unparsable manifest. A checkpoint
 without one (saved by Megatron-LM, or before this existed) is checked for DCP's `.metadata` only,
-and the loader warns. The checksum is CRC-32, zlib's polynomial, computed by ISA-L (python-isal, about 13
-GiB/s per core here, with the GIL released, so a writer checksums as it writes); where isal is missing, zlib
-gives the same values at about 2 GiB/s. Manifests before version 4 may hold CRC32C (google-crc32c); either
-is verified. Both catch corruption at rest and in transfer; neither defends against tampering.
+and the loader warns. Megatron-LM's integrity manifest, where a checkpoint has one (megatron_integrity),
+is checked too: its SHA-256s in the same read as our checksums. The checksum is CRC-32, zlib's
+polynomial, computed by ISA-L (python-isal, about 13 GiB/s per core here, with the GIL released, so a
+writer checksums as it writes); where isal is missing, zlib gives the same values at about 2 GiB/s.
+Manifests before version 4 may hold CRC32C (google-crc32c); either is verified. Both catch corruption
+at rest and in transfer; neither defends against tampering.
 Verification reads whichever the manifest recorded.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import zlib
+from collections.abc import Mapping
 
 import google_crc32c  # verifies version 3 manifests (CRC32C)
 
-from megatron_resil.checkpointing import untrusted
+from megatron_resil.checkpointing import megatron_integrity, untrusted
 from megatron_resil.checkpointing.atomic import fsync_file
 
 try:
@@ -44,12 +48,21 @@ def extend_checksum(crc: int, chunk, algorithm: str = CHECKSUM) -> int:
 
 
 def file_checksum(path: str, algorithm: str = CHECKSUM) -> int:
-    extend = _EXTEND[algorithm]
-    crc = 0
+    return file_digests(path, algorithm)[0]
+
+
+def file_digests(path: str, algorithm: str | None = CHECKSUM,
+                 sha256: bool = False) -> tuple[int | None, str | None]:
+    """(checksum by `algorithm`, SHA-256 hex digest) of the file, in one read; None for what is not asked."""
+    extend = _EXTEND[algorithm] if algorithm is not None else None
+    crc, digest = 0, hashlib.sha256() if sha256 else None
     with untrusted.open_regular(path) as f:
         while chunk := f.read(_CHUNK):
-            crc = extend(crc, chunk)
-    return crc
+            if extend is not None:
+                crc = extend(crc, chunk)
+            if digest is not None:
+                digest.update(chunk)
+    return (crc if extend is not None else None), (digest.hexdigest() if digest is not None else None)
 
 
 def checksum_files(directory: str, relpaths: list[str]) -> dict[str, dict]:
@@ -116,17 +129,25 @@ def _size_and_crc(entry) -> tuple[int, str | None, int | None]:
 
 def verify_manifest(directory: str, iteration: int | None, *, share: tuple[int, int] = (0, 1),
                     checksums: bool = True) -> str | None:
-    """None if the directory matches its manifest, else the first reason it does not.
-
-    Sizes of all files are checked; CRCs only of this caller's `share` = (index, count) of the
-    files, so ranks split the reading. `iteration` None skips the iteration check (a `release`
-    checkpoint has no number in its name).
-    """
+    """None if the directory matches its manifest, else the first reason it does not (`check_manifest`)."""
     manifest, problem = read_manifest(directory)
     if manifest is None:
         return problem
+    return check_manifest(directory, manifest, iteration, share=share, checksums=checksums)
+
+
+def check_manifest(directory: str, manifest: dict, iteration: int | None, *, share: tuple[int, int] = (0, 1),
+                   checksums: bool = True, sha256: Mapping[str, str] | None = None) -> str | None:
+    """None if the directory matches `manifest` (as read_manifest returned it), else the first reason.
+
+    Sizes of all files are checked; CRCs only of this caller's `share` = (index, count) of the
+    files, so ranks split the reading. `iteration` None skips the iteration check (a `release`
+    checkpoint has no number in its name). `sha256`: the digests Megatron-LM's integrity manifest
+    gives; a file listed in both is hashed both ways in the same read.
+    """
     if iteration is not None and manifest["iteration"] != iteration:
         return f"manifest is for iteration {manifest['iteration']}, not {iteration}"
+    sha256 = sha256 or {}
     index, count = share
     for position, (rel, entry) in enumerate(sorted(manifest["files"].items())):
         try:
@@ -142,9 +163,13 @@ def verify_manifest(directory: str, iteration: int | None, *, share: tuple[int, 
         actual = os.path.getsize(full)
         if actual != size:
             return f"file {rel} has {actual} bytes, manifest says {size}"
-        if checksums and crc is not None and position % count == index:
-            actual_crc = file_checksum(full, algorithm)
-            if actual_crc != crc:
+        expected_sha = sha256.get(rel)
+        if checksums and (crc is not None or expected_sha is not None) and position % count == index:
+            actual_crc, actual_sha = file_digests(full, algorithm if crc is not None else None,
+                                                  sha256=expected_sha is not None)
+            if crc is not None and actual_crc != crc:
                 return (f"file {rel} fails its checksum ({algorithm} {actual_crc:08x}, "
                         f"manifest says {crc:08x})")
+            if expected_sha is not None and actual_sha != expected_sha:
+                return megatron_integrity.mismatch(rel, actual_sha, expected_sha)
     return None

@@ -27,6 +27,7 @@ from megatron_resil.checkpointing.global_tier import GlobalTier
 from megatron_resil.checkpointing.loader import newest_first
 from megatron_resil.checkpointing.local_tier import QUARANTINE_DIR, describe, inspect_copies
 from megatron_resil.checkpointing.manifest import has_manifest, read_manifest
+from megatron_resil.checkpointing.megatron_integrity import has_integrity_manifest
 from megatron_resil.checkpointing.tier import TierCandidate
 from megatron_resil.checkpointing.tracker import read_tracker
 
@@ -146,7 +147,10 @@ def cmd_verify(tiers: list, iteration: int | None) -> int:
         elif candidate.tier == "local":
             verdict = "ok (every rank's shard has a copy matching its owner's checksum)"
         elif has_manifest(candidate.path):
-            verdict = "ok (sizes and checksums match the manifest)"
+            also = ", SHA-256s Megatron-LM's integrity.json" if has_integrity_manifest(candidate.path) else ""
+            verdict = f"ok (sizes and checksums match the manifest{also})"
+        elif has_integrity_manifest(candidate.path):
+            verdict = "ok (no manifest; SHA-256s match Megatron-LM's integrity.json)"
         else:
             verdict = "ok (no manifest: presence of .metadata only)"
         failed += reason is not None
