@@ -31,6 +31,11 @@ def configure(save_dir: str | None) -> None:
         _keep_reserve()
 
 
+def log_path() -> str | None:
+    """The JSON event log of this run (None without --save)."""
+    return _event_log_path
+
+
 def _reserve_path() -> str:
     return os.path.join(os.path.dirname(_event_log_path), RESERVE_NAME)
 

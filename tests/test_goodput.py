@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from megatron_resil import restart_phases
 from megatron_resil.tools import goodput, timeline
 from tests import launch
 
@@ -32,6 +33,58 @@ def test_accounting_splits_every_second_of_a_real_run(log, attempts):
     assert {"local", "persistent"} <= set(measured.save_s)
     if attempts == 4:  # the NaN run recomputed iterations after falling back
         assert total.lost_s > 0
+
+
+def test_a_node_loss_restart_is_charged_its_measured_phases_from_the_loss_to_the_first_iteration(capsys):
+    """The drill's restart after the node loss (every phase measured): charged from the node loss's own
+    record to the first iteration, split into phases that add up to it, the largest named."""
+    events, skipped = timeline.read_events(str(LOGS / "drill_a_restart_phases.jsonl"))
+    measured = goodput.measure(events, skipped)
+    start_up, restart = measured.attempts
+    record = next(e for e in events if e["event"] == "restart_phases" and e["_attempt"] == 2)
+    loss = next(e for e in events if e["event"] == "fault_injected")
+    assert (start_up.kind, restart.kind) == ("start-up", "in-job restart")
+    assert record["marks"]["start"] == loss["unix"] and record["start_source"].endswith("(node-loss)")
+    assert all(isinstance(restart.phases[phase], float) for phase in goodput.PHASES)
+    assert restart.restart_load_s == pytest.approx(record["seconds"], abs=1e-3)
+    assert sum(restart.phases.values()) == pytest.approx(record["seconds"], abs=0.01)
+    total = measured.total
+    assert math.isclose(total.useful_s + total.saving_s + total.lost_s + total.restart_load_s, total.wall_s,
+                        rel_tol=1e-9)
+    split = goodput.phase_split(measured)
+    assert split.restarts == 1 and split.total == restart.phases and split.median == restart.phases
+    assert split.largest == max(restart.phases, key=restart.phases.get)
+
+    assert goodput.main([str(LOGS / "drill_a_restart_phases.jsonl"), "--no-png"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.split()[:3] == ["2", "in-job", "restart"])
+    assert [float(cell) for cell in row.split()[3:]] == pytest.approx(
+        [*(restart.phases[phase] for phase in goodput.PHASES), record["seconds"]], abs=0.051)
+    assert f"most of the restarts' time: {split.largest} ({100 * split.share(split.largest):.0f}% of " in out
+    # An older log has no phases: no table, and its restarts are charged as before.
+    assert goodput.main([str(LOGS / "drill_d_injected_nan.jsonl"), "--no-png"]) == 0
+    assert "restart phases" not in capsys.readouterr().out
+
+
+def test_training_between_the_last_event_and_a_later_fault_is_not_charged_to_the_restart():
+    """Rank 1 is killed 0.5 s after rank 0's last record: those 0.5 s trained; the restart runs from the
+    kill to the first iteration of the next attempt."""
+    def event(at, name, **fields):
+        return {"event": name, "unix": at, "time": "", "host": "h", "pid": 1, **fields}
+
+    marks = dict(zip(restart_phases.BOUNDARIES, [5.5, 5.6, 5.8, 6.0, 9.0, 9.5, 10.5, 11.0, 12.0, 12.5, 13.0],
+                     strict=True))
+    log = [event(0.0, "start"), *[event(float(i), "progress", iteration=i) for i in range(1, 6)],
+           event(10.0, "start"), event(12.0, "loaded", tier="persistent", iteration=5),
+           event(13.0, "restart_phases", kind="in-job restart", marks=marks, seconds=7.5,
+                 phases=restart_phases.phases_between(marks)),
+           event(13.0, "progress", iteration=6), event(14.0, "finished", iteration=6, exit_code=0)]
+    for seq, e in enumerate(log):
+        e["_seq"] = seq
+    first, second = goodput.measure(log).attempts
+    assert second.wall_s == pytest.approx(9.0) and second.restart_load_s == pytest.approx(7.5)
+    assert second.useful_s == pytest.approx(1.5)  # 0.5 s before the kill, 1 s after the first iteration
+    assert sum(second.phases.values()) == pytest.approx(7.5)
 
 
 def test_the_command_reports_and_draws(tmp_path):

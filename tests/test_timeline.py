@@ -102,6 +102,35 @@ def test_the_picture_has_a_line_per_attempt_marks_and_the_lost_time_shaded(tmp_p
     assert list(attempt_two.get_ydata())[:2] == [20, 30]  # drawn from its resume point on
 
 
+def test_a_restarts_phases_are_stacked_segments_in_the_picture_and_summed_in_the_summary(tmp_path):
+    """Attempt 2 recorded its way from the kill at 54.5 s to its first iteration at 116 s; the launcher's
+    decision was not in its log, so detection runs to the next measured boundary."""
+    from megatron_resil import restart_phases
+
+    events = _killed_then_resumed_from_an_older_checkpoint()
+    offsets = [54.5, None, None, 92.0, 97.0, 99.5, 102.0, 105.8, 106.2, 107.0, 116.0]
+    marks = {name: None if at is None else T0 + at
+             for name, at in zip(restart_phases.BOUNDARIES, offsets, strict=True)}
+    record = _event(116.0, "restart_phases", kind="in-job restart", marks=marks, seconds=116.0 - 54.5,
+                    phases=restart_phases.phases_between(marks))
+    events.insert(next(i for i, e in enumerate(events) if e["event"] == "progress" and e["unix"] == T0 + 116),
+                  record)
+    _write_log(tmp_path / "events.jsonl", events)
+    tl = timeline.analyse(*timeline.read_events(str(tmp_path / "events.jsonl")))
+    segments = timeline.phase_segments(tl)
+    assert [(phase, begin - T0) for phase, begin, _, _ in segments][:3] == [
+        ("detection", 54.5), ("imports", 92.0), ("rendezvous", 97.0)]
+    assert sum(seconds for _, _, seconds, _ in segments) == pytest.approx(116.0 - 54.5)
+    assert ("restart phases over 1 restart(s), fault to first iteration: detection 37.5 s (61%), "
+            "first_iteration 9.0 s (15%), imports 5.0 s (8%)") in timeline.summary(tl, "run")
+    ax = timeline.draw(tl, "run").axes[0]
+    labels = ax.get_legend_handles_labels()[1]
+    drawn = [label for label in labels if label.startswith("restart phase: ")]
+    assert drawn == [f"restart phase: {phase}" for phase in restart_phases.PHASES
+                     if phase not in ("teardown", "spawn")]  # merged into detection: not drawn apart
+    assert "other: restart_phases" not in labels
+
+
 def test_two_failures_in_a_row_are_one_interruption_and_a_canary_reload_recomputes(tmp_path):
     """Attempt 2 resumes from 20 and dies at 40, short of 50: its time is lost too, charged to attempt
     3, which resumes from local 40, trips the canary at 45, falls back to 20 in the same job and gets

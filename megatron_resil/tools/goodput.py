@@ -5,13 +5,19 @@
         [--restart-secs S] [--out PNG]
 
 1. Accounting, per attempt (attempts as in tools/timeline.py) and in total:
-   - restart and load: the gap since the previous attempt's last event (failure detection, the launcher,
-     process start-up) plus the attempt's own set-up up to its last load decision before training;
+   - restart and load: for an attempt with a `restart_phases` record (megatron_resil/restart_phases.py),
+     from the fault (the previous attempt's last event if the fault came later) to the end of the
+     attempt's first iteration, split into phases: detection, teardown, spawn, imports, rendezvous,
+     model, checkpoint choice, load, data, first iteration; reported per attempt, in total and as the
+     median over the restarts, with each phase's share. Without one (older logs, an attempt that never
+     trained): the gap since the previous attempt's last event plus the attempt's own set-up up to its
+     last load decision before training;
    - saving: the blocking part of each save (`save_published` seconds of a synchronous save; an async
      save's `blocking_seconds`: preparing, staging and finalising it, or waiting for its worker; its
      write overlaps training and is not charged);
    - lost work: iterations trained again after a resume (timeline's "recomputed"), times the median
-     iteration time (from consecutive `progress` events with no save between them);
+     iteration time (from consecutive `progress` events with no save between them); the first of them
+     is the first iteration, already charged to the restart where its phases are known;
    - useful training: the rest. Goodput = useful / total wall time.
 2. Planning, from the measured save costs C_local and C_global, the restart cost R (the median restart
    and load of attempts after the first; the first attempt's set-up if the log has no restart), and a
@@ -38,6 +44,8 @@ import statistics
 import sys
 from dataclasses import dataclass
 
+from megatron_resil.restart_phases import EVENT as RESTART_PHASES
+from megatron_resil.restart_phases import PHASES
 from megatron_resil.tools import timeline as tl
 
 # Llama 3's pretraining saw 419 unexpected interruptions in 54 days on 16,384 GPUs (2,048 nodes of 8):
@@ -47,6 +55,8 @@ DEFAULT_MTBF_HOURS_PER_NODE = 6300.0
 SCALES_GPUS = (1024, 4096, 16384)
 LOCAL_TIERS = ("local",)
 GLOBAL_TIERS = ("persistent",)
+PHASE_HEADERS = ("detect", "teardown", "spawn", "imports", "rendezvous", "model", "choice", "load", "data",
+                 "1st iter")
 
 
 @dataclass
@@ -56,6 +66,8 @@ class AttemptTime:
     restart_load_s: float = 0.0
     saving_s: float = 0.0
     lost_s: float = 0.0
+    phases: dict[str, float | None] | None = None  # its restart_phases record's split, if it has one
+    kind: str = ""  # that record's kind: start-up, in-job restart, new job step, ...
 
     @property
     def useful_s(self) -> float:
@@ -114,6 +126,16 @@ def _training_starts(attempt: tl.Attempt) -> float:
     return mark
 
 
+def _phases_record(attempt: tl.Attempt) -> dict | None:
+    """The attempt's `restart_phases` record, if it has a usable one."""
+    record = next((e for e in attempt.events if e["event"] == RESTART_PHASES), {})
+    marks = record.get("marks")
+    if not isinstance(record.get("phases"), dict) or not isinstance(marks, dict):
+        return None
+    usable = all(isinstance(marks.get(key), (int, float)) for key in ("start", "first_iteration"))
+    return record if usable else None
+
+
 def measure(events: list[dict], skipped: int = 0) -> Measured:
     line = tl.analyse(events, skipped)
     per_iteration = iteration_time(events)
@@ -121,14 +143,24 @@ def measure(events: list[dict], skipped: int = 0) -> Measured:
     for attempt in line.attempts:
         begin, end = attempt.events[0]["unix"], attempt.events[-1]["unix"]
         gap = max(0.0, begin - previous_end) if previous_end is not None else 0.0
-        setup = max(0.0, _training_starts(attempt) - begin)
-        timing = AttemptTime(attempt.number, wall_s=gap + (end - begin), restart_load_s=gap + setup,
+        timing = AttemptTime(attempt.number, wall_s=gap + (end - begin),
                              saving_s=sum(_blocking_save_s(e) for e in attempt.events
-                                          if e["event"] == "save_published"),
-                             lost_s=attempt.recomputed * (per_iteration or 0.0))
+                                          if e["event"] == "save_published"))
+        recomputed = attempt.recomputed
+        if (record := _phases_record(attempt)) is not None:
+            # From the fault to the first iteration, within this attempt's share of the wall time: the
+            # time from the previous attempt's last event to a later fault was training, not restarting.
+            floor = begin - gap
+            first = min(max(record["marks"]["first_iteration"], floor), end)
+            timing.restart_load_s = first - min(max(record["marks"]["start"], floor), first)
+            timing.phases, timing.kind = record["phases"], str(record.get("kind", ""))
+            recomputed = max(0, recomputed - 1)
+        else:
+            timing.restart_load_s = gap + max(0.0, _training_starts(attempt) - begin)
+        timing.lost_s = recomputed * (per_iteration or 0.0)
         attempts.append(timing)
         if previous_end is not None:
-            restarts.append(gap + setup)
+            restarts.append(timing.restart_load_s)
         previous_end = end
     saves: dict[str, list[float]] = {}
     for event in events:
@@ -143,6 +175,66 @@ def measure(events: list[dict], skipped: int = 0) -> Measured:
     world = next((e.get("world_size") for e in events if e["event"] == "start"), None)
     return Measured(attempts, per_iteration, {tier: statistics.median(s) for tier, s in saves.items()},
                     restart, source, world)
+
+
+@dataclass
+class PhaseSplit:
+    """The restarts' phases (attempts after the first that recorded them): per phase, the total and the
+    median over those restarts (None where no restart measured it apart), and the share of the total."""
+    restarts: int
+    total: dict[str, float]
+    median: dict[str, float | None]
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.total.values())
+
+    def share(self, phase: str) -> float:
+        return self.total[phase] / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def largest(self) -> str:
+        return max(PHASES, key=lambda phase: self.total[phase])
+
+
+def phase_split(measured: Measured) -> PhaseSplit | None:
+    rows = [a.phases for a in measured.attempts if a.number > 1 and a.phases is not None]
+    if not rows:
+        return None
+    measured_apart = {p: [r[p] for r in rows if isinstance(r.get(p), (int, float))] for p in PHASES}
+    return PhaseSplit(len(rows), {p: float(sum(v)) for p, v in measured_apart.items()},
+                      {p: statistics.median(v) if v else None for p, v in measured_apart.items()})
+
+
+def phase_report(measured: Measured) -> list[str]:
+    attempts = [a for a in measured.attempts if a.phases is not None]
+    if not attempts:
+        return []
+
+    def cells(values) -> str:
+        return " ".join(f"{'-' if v is None else f'{v:.1f}':>{len(h)}}" for v, h in zip(values, PHASE_HEADERS,
+                                                                                       strict=True))
+
+    out = ["restart phases (seconds from the fault, or the last event after it, to the first iteration; "
+           "-: not measured apart, in the phase before it)",
+           f"{'attempt':>8} {'kind':<18} {' '.join(PHASE_HEADERS)} {'total':>7}"]
+    for a in attempts:
+        values = [a.phases.get(p) for p in PHASES]
+        note = "  (not in the totals)" if a.number == 1 else ""
+        total = sum(v for v in values if isinstance(v, (int, float)))
+        out.append(f"{a.number:>8} {a.kind[:18]:<18} {cells(values)} {total:>7.1f}{note}")
+    split = phase_split(measured)
+    if split is None:
+        return out
+    out.append(f"{'total':>8} {f'{split.restarts} restart(s)':<18} {cells(split.total.values())} "
+               f"{split.seconds:>7.1f}")
+    out.append(f"{'median':>8} {'':<18} {cells(split.median.values())}")
+    shares = " ".join(f"{f'{100 * split.share(p):.0f}%':>{len(h)}}" for p, h in zip(PHASES, PHASE_HEADERS,
+                                                                                  strict=True))
+    out.append(f"{'share':>8} {'':<18} {shares}")
+    out.append(f"most of the restarts' time: {split.largest} ({100 * split.share(split.largest):.0f}% of "
+               f"{_hours(split.seconds)})")
+    return out
 
 
 # ---- the plan ----------------------------------------------------------------------------------
@@ -196,6 +288,7 @@ def report(measured: Measured, source: str, args) -> str:
     share = (lambda s: f"{100 * s / total.wall_s:.1f}%") if total.wall_s > 0 else (lambda s: "-")
     out.append(f"goodput: {share(total.useful_s)} (saving {share(total.saving_s)}, lost work "
                f"{share(total.lost_s)}, restart and load {share(total.restart_load_s)})")
+    out += phase_report(measured)
     it = f"{measured.iteration_s:.3f} s" if measured.iteration_s else "unknown"
     saves = ", ".join(f"{tier} {s:.2f} s" for tier, s in sorted(measured.save_s.items())) or "none measured"
     restart = _hours(measured.restart_s) if measured.restart_s is not None else "-"

@@ -24,6 +24,9 @@ What the summary counts:
   subtracted. A planned stop and requeue counts too. Charged to the attempt that got past it; an
   attempt that never did leaves its time to the next one; time after the last new iteration of the log
   is not counted.
+- restart phases: each attempt's `restart_phases` record (megatron_resil/restart_phases.py), from the fault
+  to its first iteration; the summary sums them over the restarts, and the picture draws them as stacked
+  segments in a band along the bottom, one color per phase (tools/goodput.py tabulates them).
 """
 
 from __future__ import annotations
@@ -38,12 +41,14 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from megatron_resil.events import EVENT_LOG_NAME
+from megatron_resil.restart_phases import BOUNDARIES, PHASES
+from megatron_resil.restart_phases import EVENT as RESTART_PHASES
 
 MILESTONES = {"progress", "save_started", "finished", "exit"}
 # Events the summary reports on its own lines; any other name (decisions like cleanup, and events
 # added later such as straggler) is listed under "other events".
 SUMMARISED = MILESTONES | {"start", "loaded", "load", "save_published", "save", "fault_injected",
-                           "quarantine", "canary", "restart"}
+                           "quarantine", "canary", "restart", RESTART_PHASES}
 MARKS = {  # event, or event:tier / event:verdict -> (legend entry, marker, color)
     "save_published:persistent": ("saved (persistent)", "o", "tab:blue"),
     "save_published:non-persistent": ("saved (non-persistent)", "o", "tab:cyan"),
@@ -219,6 +224,7 @@ def summary(timeline: Timeline, source: str) -> str:
     tiers = Counter(str(e.get("tier")) for e in t.events if e["event"] == "save_published")
     faults = [f"{e.get('kind')}@{e.get('iteration')}" for e in t.events if e["event"] == "fault_injected"]
     others = Counter(e["event"] for e in t.events if e["event"] not in SUMMARISED)
+    lines += restart_phase_lines(t)
     lines += [f"iterations recomputed: {t.recomputed}; wall time lost: {duration(t.lost_s)}",
               "saves published: " + (", ".join(f"{tier} {n}" for tier, n in sorted(tiers.items())) or "none")
               + f"; save failures: {t.count('save')}",
@@ -226,6 +232,36 @@ def summary(timeline: Timeline, source: str) -> str:
               f" canary trips: {t.count('canary')}; faults injected: {', '.join(faults) or 'none'}",
               "other events: " + (", ".join(f"{name} {n}" for name, n in sorted(others.items())) or "none")]
     return "\n".join(lines)
+
+
+def phase_segments(timeline: Timeline) -> list[tuple[str, float, float, int]]:
+    """(phase, unix start, seconds, attempt) of every measured phase in the log's `restart_phases` records."""
+    segments = []
+    for attempt in timeline.attempts:
+        record = next((e for e in attempt.events if e["event"] == RESTART_PHASES), None)
+        marks, phases = (record or {}).get("marks"), (record or {}).get("phases")
+        if not isinstance(marks, dict) or not isinstance(phases, dict):
+            continue
+        for phase, boundary in zip(PHASES, BOUNDARIES, strict=False):  # a phase starts at its boundary
+            seconds, begin = phases.get(phase), marks.get(boundary)
+            if isinstance(seconds, (int, float)) and isinstance(begin, (int, float)):
+                segments.append((phase, float(begin), float(seconds), attempt.number))
+    return segments
+
+
+def restart_phase_lines(timeline: Timeline) -> list[str]:
+    totals: Counter = Counter()
+    restarts = set()
+    for phase, _, seconds, number in phase_segments(timeline):
+        if number > 1:  # the first attempt's is its start-up
+            totals[phase] += seconds
+            restarts.add(number)
+    if not restarts:
+        return []
+    whole = sum(totals.values()) or 1.0
+    parts = ", ".join(f"{phase} {duration(secs)} ({100 * secs / whole:.0f}%)"
+                      for phase, secs in totals.most_common())
+    return [f"restart phases over {len(restarts)} restart(s), fault to first iteration: {parts}"]
 
 
 def mark_of(event: dict) -> tuple[str, str, str] | None:
@@ -311,6 +347,23 @@ def draw_attempt(canvas: _Canvas, attempt: Attempt, many: bool) -> None:
         canvas.mark(MARKS["died"], attempt.events[-1]["unix"], at)
 
 
+def draw_phases(canvas: _Canvas, segments: list[tuple[str, float, float, int]]) -> None:
+    """Each restart's phases as stacked segments in a band along the bottom of the axes, a color a phase."""
+    from matplotlib import colormaps
+
+    if not segments:
+        return
+    canvas.ax.set_ymargin(0.1)  # iteration 0 and its marks clear of the band (at most 5% of the height)
+    colors = colormaps["tab20"]
+    for index, phase in enumerate(PHASES):
+        spans = [(canvas.x(begin), seconds / canvas.scale) for name, begin, seconds, _ in segments
+                 if name == phase and seconds > 0]
+        if spans:
+            canvas.ax.broken_barh(spans, (0.0, 0.05), transform=canvas.ax.get_xaxis_transform(), zorder=1.5,
+                                  facecolors=colors(2 * index + 1), edgecolor=colors(2 * index),
+                                  linewidth=0.5, label=f"restart phase: {phase}")
+
+
 def draw(timeline: Timeline, title: str):
     """The figure: each attempt's progress, the marks, and the wall time lost shaded."""
     canvas = _Canvas(timeline)
@@ -320,6 +373,7 @@ def draw(timeline: Timeline, title: str):
                    label="wall time lost")
     for attempt in timeline.attempts:
         draw_attempt(canvas, attempt, many=len(timeline.attempts) > 10)
+    draw_phases(canvas, phase_segments(timeline))
     first = datetime.fromtimestamp(timeline.first_unix).astimezone().isoformat(sep=" ", timespec="seconds")
     ax.set_xlabel(f"wall time since the first event ({canvas.unit}; first event {first})")
     ax.set_ylabel("iteration")

@@ -1,0 +1,273 @@
+"""Where a restart's time goes: each attempt's way from the fault to its first iteration, split into phases
+measured with wall-clock timestamps (comparable across the processes of one host), and written by rank 0
+as one `restart_phases` record when the attempt has taken its first iteration.
+
+The boundaries, in order, and where each comes from:
+
+    start           the fault: the latest fault the run recorded since the previous attempt began (a
+                    `fault_injected` event, the drill's node loss, or a strike under <save>/.injected_faults/,
+                    which ranks other than 0 leave), if it is later than the previous attempt's last event;
+                    otherwise that last event (an external fault, kill -9 or SIGSTOP, leaves no record: the
+                    last sign of life stands for it, and detection then includes up to a --log-interval of
+                    training). Never before the previous attempt's last event, so no second is counted twice.
+    decision        the launcher's decision to restart: its "will restart worker group" log line (ft_launcher
+                    writes it with millisecond timestamps; read from the file this rank's stderr shares with
+                    its launcher, when it is a file). A new job step (a requeue) or a plain rerun has no such
+                    line: not measured.
+    teardown        the old ranks stopped: the launcher's next "attempts to join the next round" line; for a
+                    new job step, the creation of its launcher (the old step had ended by then).
+    spawned         this process's creation (/proc/self/stat against /proc/uptime: 10 ms resolution).
+    imported        pretrain() entered: interpreter start-up, arguments, torch and megatron-core imported.
+    process_groups  the rank monitor reached, torch.distributed's rendezvous of all ranks, megatron-core's
+                    process groups built.
+    engine          model, DDP, optimizer and scheduler built (the start records and tokenizer before them).
+    chosen          reading of the checkpoint to be loaded begins: candidates listed and verified by then
+                    (checksums, replicas, rejections, quarantines, the agreement collectives).
+    loaded          the checkpoint read and restored (no checkpoint: the same as chosen).
+    data            datasets and data iterators built.
+    first_iteration the attempt's first training iteration taken.
+
+A phase runs from one boundary to the next; a boundary not measured merges its two phases into the earlier
+one (its own is null), so the phases always add up to first_iteration - start. Marks are clamped to never
+run backwards. An attempt that is the run's first has no fault: its start is its launcher's creation (or
+its own), and detection and teardown are null. An in-process restart's attempt shares its process with the
+previous one: the time up to pretrain() is all detection.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+import time
+
+from megatron_resil import events
+
+PHASES = ("detection", "teardown", "spawn", "imports", "rendezvous", "model", "checkpoint_choice", "load",
+          "data", "first_iteration")
+BOUNDARIES = ("start", "decision", "teardown", "spawned", "imported", "process_groups", "engine", "chosen",
+              "loaded", "data", "first_iteration")
+EVENT = "restart_phases"
+FAULTS_DIR = ".injected_faults"  # fault_injection.py's strike records
+
+_TAIL_BYTES = 4 << 20  # of the event log and the launcher's log: enough for an attempt's set-up
+_LAUNCHER_LINE = re.compile(  # NVRx 0.4's format: [%(asctime)s] [%(levelname)s] [ft_launcher<pid>@<host>] ...
+    r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})\] \[\w+\] \[ft_launcher(\d+)@[^\]]*\] (.*)$", re.MULTILINE)
+
+_process_marks: dict[str, float] = {}  # once per process: when the interpreter reached our code
+_marks: dict[str, float] = {}  # this attempt's boundaries
+_attempts_in_process = 0
+_recorded = True  # nothing to record before an attempt starts
+
+
+def mark(name: str) -> None:
+    """This attempt reached boundary `name` now (every rank; a dict write)."""
+    _marks[name] = time.time()
+
+
+def interpreter_started() -> None:
+    """The interpreter reached our code (pretrain.py's first lines): a detail of the imports phase."""
+    _process_marks.setdefault("interpreter", time.time())
+
+
+def attempt_started() -> None:
+    """pretrain() entered: a new attempt's marks begin."""
+    global _attempts_in_process, _recorded
+    _attempts_in_process += 1
+    _marks.clear()
+    _recorded = False
+    mark("imported")
+
+
+def iteration_taken() -> None:
+    """After each taken iteration; the attempt's first writes the record (rank 0)."""
+    global _recorded
+    if _recorded:
+        return
+    _recorded = True
+    mark("first_iteration")
+    from megatron_resil import parallel  # imported by the trainer already; not by the tools
+
+    if events.log_path() is None or not parallel.is_rank0():
+        return
+    try:
+        record = measure()
+    except Exception as err:  # noqa: BLE001 - the phases are a report: never the reason a run fails
+        events.warn(f"restart phases not recorded ({type(err).__name__}: {err})")
+        return
+    events.record(EVENT, **record)
+    shown = ", ".join(f"{name} {secs:.1f} s" for name, secs in record["phases"].items() if secs is not None)
+    events.print_rank_0(f"{record['kind']} took {record['seconds']:.1f} s to its first iteration: {shown}")
+
+
+def measure() -> dict:
+    """The record for this attempt, from its marks, the event log, /proc and the launcher's log."""
+    marks = {name: None for name in BOUNDARIES} | dict(_marks)
+    details: dict[str, float | str | None] = {}
+    first_in_process = _attempts_in_process == 1
+    if first_in_process:
+        marks["spawned"] = process_started_unix()
+        details["interpreter"] = _process_marks.get("interpreter")
+    launcher = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ and first_in_process else None
+    launcher_started = process_started_unix(launcher) if launcher else None
+    details["launcher_started"] = launcher_started
+    previous = previous_attempt(events.log_path())
+    if previous is None:
+        kind = "start-up"
+        source = "the launcher's creation" if launcher_started else "this process's creation"
+        marks["start"] = launcher_started or marks["spawned"] or marks["imported"]
+        marks["decision"] = marks["teardown"] = marks["start"]
+    else:
+        strikes = os.path.join(os.path.dirname(events.log_path()), FAULTS_DIR)
+        fault, fault_source = latest_fault(previous, strikes, before=marks["spawned"] or marks["imported"])
+        if fault is not None and fault > previous["end"] - 0.001:  # the log's times are rounded to 1 ms
+            marks["start"], source = max(fault, previous["end"]), fault_source
+        else:
+            marks["start"], source = previous["end"], "the previous attempt's last event"
+        if not first_in_process:
+            kind = "in-process restart"
+        elif launcher_started is not None and launcher_started > marks["start"]:
+            kind = "new job step"  # a requeue, or a launcher that replaced a lost one
+            marks["teardown"] = launcher_started
+        else:
+            kind = "in-job restart" if launcher else "new process"
+            if launcher and marks["spawned"] is not None:
+                found = launcher_decisions(_stderr_text(), launcher, after=previous["since"],
+                                           before=marks["spawned"])
+                marks["decision"], marks["teardown"] = found.get("decision"), found.get("teardown")
+                details["launcher_rendezvous"] = found.get("rendezvous")
+    if marks["chosen"] is None:
+        marks["chosen"] = marks["loaded"]  # nothing was read: no load phase
+    marks = _monotone(marks)
+    phases = phases_between(marks)
+    if previous is None:
+        phases["detection"] = phases["teardown"] = None  # no fault before a start-up
+    return {"kind": kind, "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+            "start_source": source, "seconds": round(marks["first_iteration"] - marks["start"], 3),
+            "phases": phases, "marks": {k: _rounded(v) for k, v in marks.items()},
+            "details": {k: _rounded(v) for k, v in details.items()}}
+
+
+def _rounded(value):
+    return round(value, 3) if isinstance(value, float) else value
+
+
+def _monotone(marks: dict) -> dict:
+    """Known marks clamped so none is before the one it follows (clocks of 1 ms and 10 ms resolution)."""
+    out, floor = {}, None
+    for name in BOUNDARIES:
+        value = marks[name]
+        if value is not None and floor is not None:
+            value = max(value, floor)
+        out[name] = value
+        floor = value if value is not None else floor
+    return out
+
+
+def phases_between(marks: dict) -> dict[str, float | None]:
+    """Seconds of each phase; a phase whose end was not measured is null and its time is in the phase
+    before it (which then runs to the next measured boundary)."""
+    phases: dict[str, float | None] = dict.fromkeys(PHASES)
+    known = [i for i, name in enumerate(BOUNDARIES) if marks[name] is not None]
+    for here, there in zip(known, known[1:], strict=False):
+        phases[PHASES[here]] = round(marks[BOUNDARIES[there]] - marks[BOUNDARIES[here]], 3)
+    return phases
+
+
+def process_started_unix(pid: int | str = "self") -> float | None:
+    """When process `pid` was created, as a Unix time (10 ms resolution); None if /proc cannot say."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        now = time.time()
+        return now - uptime + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: start, ticks since boot
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _tail_lines(path: str) -> list[str]:
+    with open(path, "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(max(0, size - _TAIL_BYTES))
+        data = f.read()
+    lines = data.decode("utf-8", errors="replace").split("\n")
+    return lines[1:] if size > _TAIL_BYTES else lines  # the first may be cut
+
+
+def previous_attempt(log_path: str) -> dict | None:
+    """{since, end, events} of the attempt before the current one (whose `start` is the log's last), or
+    None if the current one is the log's first: its first and last record's times, and its records
+    (those in the tail read, for a long one)."""
+    records = []
+    for line in _tail_lines(log_path):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("unix"), (int, float)):
+            records.append(record)
+    starts = [i for i, r in enumerate(records) if r.get("event") == "start"]
+    if not starts or starts[-1] == 0:
+        return None
+    before = records[starts[-2] if len(starts) > 1 else 0:starts[-1]]
+    return {"since": before[0]["unix"], "end": before[-1]["unix"], "events": before}
+
+
+def latest_fault(previous: dict, faults_dir: str, before: float | None) -> tuple[float | None, str]:
+    """The latest fault recorded in the previous attempt (its events, and the strike records any rank
+    left under `faults_dir` since its first record and before `before`), and what recorded it."""
+    found: list[tuple[float, str]] = [(e["unix"], f"a fault_injected event ({e.get('kind')})")
+                                      for e in previous["events"] if e.get("event") == "fault_injected"]
+    try:
+        names = os.listdir(faults_dir)
+    except OSError:
+        names = []
+    for name in names:
+        try:
+            with open(os.path.join(faults_dir, name)) as f:
+                when = float(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if previous["since"] < when and (before is None or when <= before):
+            found.append((when, f"a strike record ({name})"))
+    return max(found) if found else (None, "")
+
+
+def _stderr_text() -> str:
+    """The end of the file this process's stderr goes to (under ft_launcher: the launcher's own output),
+    or "" when it is not a file (a pipe, a terminal)."""
+    try:
+        if not stat.S_ISREG(os.fstat(2).st_mode):
+            return ""
+        return "\n".join(_tail_lines("/proc/self/fd/2"))
+    except OSError:
+        return ""
+
+
+def launcher_decisions(text: str, launcher_pid: int, after: float, before: float) -> dict[str, float]:
+    """From ft_launcher `launcher_pid`'s own log lines in `text` (it writes them with millisecond local
+    timestamps): `decision`, its last "will restart worker group" in (after, before]; `teardown`, the
+    first "attempts to join the next round" after it; `rendezvous`, the first "has joined round" after
+    that. Empty where the lines are not there (FT_LAUNCHER_LOGLEVEL above INFO, another launcher)."""
+    lines = []
+    for match in _LAUNCHER_LINE.finditer(text):
+        if int(match.group(3)) != launcher_pid:
+            continue
+        when = time.mktime(time.strptime(match.group(1), "%Y-%m-%d %H:%M:%S")) + int(match.group(2)) / 1000
+        if after < when <= before + 0.02:  # `before`, a process's creation, is known to 10 ms
+            lines.append((when, match.group(4)))
+    found: dict[str, float] = {}
+    decisions = [when for when, message in lines if "will restart worker group" in message]
+    if not decisions:
+        return found
+    found["decision"] = decisions[-1]
+    for key, needle in (("teardown", "attempts to join the next round"), ("rendezvous", "has joined round")):
+        floor = max(found.values())
+        later = [when for when, message in lines if needle in message and when >= floor]
+        if not later:
+            break
+        found[key] = later[0]
+    return found
