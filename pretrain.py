@@ -5,6 +5,10 @@ import os
 import sys
 import threading
 
+from megatron_resil import restart_phases
+
+restart_phases.interpreter_started()  # first: when the interpreter reached our code
+
 if "--inprocess-restart" in sys.argv[1:]:
     # NVRx polls its store once a second, and each poll that times out makes torch print two C++
     # warnings per rank. torch reads this level once, at import (parse_args imports it); Megatron only
@@ -19,6 +23,9 @@ def main() -> int:
     if args.check_args_only:
         print("pretrain.py: arguments are valid")
         return 0
+    from megatron_resil import patches
+
+    patches.install(args)  # before megatron-core is imported; a mismatch exits 2 with one line
     from megatron_resil.training import pretrain  # heavy imports only after the arguments are good
 
     if args.inprocess_restart:  # NVRx's inprocess is imported only then

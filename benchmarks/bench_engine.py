@@ -56,7 +56,7 @@ def worker(opts: argparse.Namespace) -> None:
     sys.path.insert(0, REPO)
     import torch.distributed as dist
 
-    from megatron_resil import core_fixes, cpu_compat, parallel, rerun
+    from megatron_resil import parallel, patches, rerun
     from megatron_resil.arguments import parse_args
     from megatron_resil.checkpointing import loader
     from megatron_resil.checkpointing.global_tier import GlobalTier
@@ -67,8 +67,7 @@ def worker(opts: argparse.Namespace) -> None:
     from megatron_resil.training import build_engine, train_step
 
     cfg = QUICK if opts.quick else FULL
-    cpu_compat.apply_if_needed()
-    core_fixes.apply()
+    patches.install()  # what pretrain.py installs at start-up
     world = int(os.environ["WORLD_SIZE"])
     results: dict = {"world": world, "bytes": {}, "save": {}, "load": {}}
     engines = {}

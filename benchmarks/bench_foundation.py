@@ -267,7 +267,7 @@ def save_worker(opts: argparse.Namespace) -> None:
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
-    from megatron_resil import core_fixes, cpu_compat, parallel
+    from megatron_resil import parallel, patches
     from megatron_resil.arguments import parse_args
     from megatron_resil.checkpointing.global_tier import GlobalTier
     from megatron_resil.checkpointing.state import build_sharded_state
@@ -277,8 +277,7 @@ def save_worker(opts: argparse.Namespace) -> None:
     from megatron_resil.training import build_engine, train_step
 
     cfg = QUICK if opts.quick else FULL
-    cpu_compat.apply_if_needed()  # megatron-core's torch_dist save calls CUDA entry points
-    core_fixes.apply()
+    patches.install()  # what pretrain.py installs at start-up
     world = int(os.environ["WORLD_SIZE"])
     first_args = parse_args(pretrain_argv(cfg["save_small"]), world_size=world)
     parallel.initialize(first_args)
@@ -524,7 +523,7 @@ def step_benchmark(cfg: dict, threads: int) -> dict:
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.rerun_state_machine import get_rerun_state_machine
 
-    from megatron_resil import core_fixes, cpu_compat, parallel, rerun
+    from megatron_resil import parallel, patches, rerun
     from megatron_resil.arguments import parse_args
     from megatron_resil.data import build_datasets, get_microbatch
     from megatron_resil.progress import TrainProgress
@@ -532,8 +531,7 @@ def step_benchmark(cfg: dict, threads: int) -> dict:
     from megatron_resil.training import build_engine, train_step
 
     shape = cfg["step"]
-    cpu_compat.apply_if_needed()
-    core_fixes.apply()
+    patches.install()  # what pretrain.py installs at start-up
     torch.set_num_threads(threads)
     args = parse_args([*pretrain_argv(shape, mbs=shape["mbs"]), "--use-distributed-optimizer"], world_size=1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

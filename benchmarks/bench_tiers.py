@@ -55,7 +55,7 @@ def worker(opts: argparse.Namespace) -> None:
         LocalCheckpointManager,
     )
 
-    from megatron_resil import core_fixes, cpu_compat, parallel, rerun
+    from megatron_resil import parallel, patches, rerun
     from megatron_resil.arguments import parse_args
     from megatron_resil.checkpointing import loader
     from megatron_resil.checkpointing.global_tier import GlobalTier
@@ -68,8 +68,7 @@ def worker(opts: argparse.Namespace) -> None:
     from megatron_resil.training import build_engine, train_step
 
     cfg = QUICK if opts.quick else FULL
-    cpu_compat.apply_if_needed()
-    core_fixes.apply()
+    patches.install()  # what pretrain.py installs at start-up
     world = int(os.environ["WORLD_SIZE"])
     args = parse_args(model_argv(*cfg["shape"]), world_size=world)
     parallel.initialize(args)

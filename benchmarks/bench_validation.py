@@ -39,7 +39,7 @@ def worker(opts: argparse.Namespace) -> None:
     logging.getLogger("megatron.core.rerun_state_machine").setLevel(logging.ERROR)  # a line per switch
 
     sys.path.insert(0, str(REPO))
-    from megatron_resil import core_fixes, cpu_compat, parallel, rerun
+    from megatron_resil import parallel, patches, rerun
     from megatron_resil.arguments import parse_args
     from megatron_resil.data import build_datasets
     from megatron_resil.progress import TrainProgress
@@ -48,8 +48,7 @@ def worker(opts: argparse.Namespace) -> None:
     from megatron_resil.training import build_engine, train_step
 
     torch.set_num_threads(1)
-    cpu_compat.apply_if_needed()
-    core_fixes.apply()
+    patches.install()  # what pretrain.py installs at start-up
     argv = ["--num-layers", str(opts.layers), "--hidden-size", str(opts.hidden), "--num-attention-heads", "4",
             "--seq-length", str(opts.seq), "--max-position-embeddings", str(opts.seq),
             "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024", "--micro-batch-size", str(opts.mbs),

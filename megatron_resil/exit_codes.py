@@ -1,7 +1,7 @@
 """Process exit codes of pretrain.py, the one table launch scripts act on (see README)."""
 
 FINISHED = 0  # training reached --train-iters, or a requested stop (--exit-interval, duration) saved
-BAD_ARGUMENTS = 2  # the command line is wrong; fix it, do not requeue
+BAD_ARGUMENTS = 2  # the command line (or the installed megatron-core, torch, NVRx) is wrong; do not requeue
 NO_CHECKPOINT = 3  # --exit-on-missing-checkpoint and nothing loadable under --load; do not requeue
 SAVE_FAILED = 4  # a checkpoint could not be written (I/O error); the previous one is intact
 SIGNAL_SAVED = 5  # --exit-signal arrived; a checkpoint was saved; requeue to continue

@@ -12,18 +12,12 @@ ft_launcher also forks one rank monitor per rank (NVRx's), which nothing ends wh
 being forks of the launcher, they share its command line. The watch notes those siblings while the
 launcher lives and ends them with the rank.
 
-Without a launcher (plain `python pretrain.py`) the parent is a shell and nothing is watched.
-
-Whatever ends a rank, the processes it forks die with it: megatron-core's own checkpoint writer forks
-helpers for each save (ours writes in the process that saves, but a fork can come from any library), and
-one orphaned mid-save waits forever on a lock its dead parent held. Each fork gets
-the kernel's parent-death signal (the forking thread is the rank's main thread, which lives as long as
-the rank does).
+Without a launcher (plain `python pretrain.py`) the parent is a shell and nothing is watched. That the
+processes a rank forks die with it is a process-wide hook, installed with the patches (patches/stdlib.py).
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import threading
@@ -33,7 +27,6 @@ from pathlib import Path
 from megatron_resil import events, exit_codes
 
 POLL_SECS = 0.5
-_PR_SET_PDEATHSIG = 1
 
 
 _launcher: int | None = None
@@ -43,7 +36,6 @@ _stopping = threading.Lock()
 
 def watch() -> None:
     global _launcher
-    forks_die_with_this_process()
     if "TORCHELASTIC_RUN_ID" not in os.environ or _launcher is not None:
         return
     _launcher = os.getppid()
@@ -84,29 +76,6 @@ def _stop() -> None:
         except OSError:
             pass
     os._exit(exit_codes.LAUNCHER_GONE)
-
-
-_forking_pid: int | None = None
-
-
-def forks_die_with_this_process() -> None:
-    if _forking_pid is None:
-        os.register_at_fork(before=_note_forking_pid, after_in_child=_die_with_parent)
-        _note_forking_pid()
-
-
-def _note_forking_pid() -> None:
-    global _forking_pid
-    _forking_pid = os.getpid()
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != _forking_pid:  # the parent died before the signal was armed
-        os._exit(1)
 
 
 def _forks_of(launcher: int) -> set[int]:

@@ -25,8 +25,6 @@ import torch.distributed as dist
 from megatron.core import tensor_parallel
 from megatron.core.rerun_state_machine import (
     EXIT_CODE_RESUME_TO_DISAMBIGUATE,
-    Call,
-    Caller,
     QuickStats,
     RerunDiagnostic,
     RerunErrorInjector,
@@ -39,10 +37,6 @@ from megatron.core.rerun_state_machine import (
 
 from megatron_resil import events, parallel
 from megatron_resil.progress import TrainProgress
-
-# A checkpoint saved for exit 16 or 17 holds the machine's enums and call records in common.pt, which
-# megatron-core reads with torch.load(weights_only=True). They are plain enums and named tuples.
-torch.serialization.add_safe_globals([RerunMode, RerunState, RerunDiagnostic, Call, Caller])
 
 SPIKY_LOSS_FACTOR = 10  # Megatron-LM's: a loss 10x the largest of the first 100 seen is a spike
 
@@ -123,6 +117,7 @@ def initialize(config: RerunConfig) -> None:
     if config.mode == RerunMode.REPORT_DETERMINISM_STATS:
         # megatron-core 0.16.1's own report reads Caller.filename, which Caller lacks (AttributeError on
         # rank 0 at the first report), and logs at INFO, which nothing shows. StepValidation reports instead.
+        # (A private method: checked at start-up, patches/megatron_core.py.)
         get_rerun_state_machine()._maybe_report_stats = lambda: None
 
 

@@ -6,7 +6,9 @@ its DDP reduces the gradients, its optimizer updates."""
 from __future__ import annotations
 
 import argparse
+import gc
 import inspect
+import logging
 import os
 from functools import partial
 
@@ -14,18 +16,19 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.utils import get_batch_on_this_cp_rank
+from megatron.core.utils import get_batch_on_this_cp_rank, get_model_config
 
 from megatron_resil import (
-    core_fixes,
-    cpu_compat,
     events,
     exit_codes,
     launcher_watch,
     moe_metrics,
     parallel,
+    patches,
     rerun,
+    restart_phases,
     signal_handler,
+    weight_hashes,
 )
 from megatron_resil.checkpointing import dir_lock
 from megatron_resil.checkpointing.global_tier import CheckpointSaveError
@@ -33,7 +36,7 @@ from megatron_resil.checkpointing.manager import CheckpointConfig, CheckpointMan
 from megatron_resil.data import build_datasets, get_microbatch
 from megatron_resil.fault_injection import FaultInjector
 from megatron_resil.fault_tolerance import FaultTolerance, report_restart
-from megatron_resil.model import build_model_chunks
+from megatron_resil.model import build_model_chunks, padded_vocab_size
 from megatron_resil.optimizer import (
     build_optimizer,
     build_scheduler,
@@ -46,7 +49,7 @@ from megatron_resil.rerun_escape import RerunEscape
 from megatron_resil.stop_conditions import StopConditions
 from megatron_resil.straggler import StragglerDetection
 from megatron_resil.tokenizer import build_tokenizer
-from megatron_resil.train_log import TrainLogger
+from megatron_resil.train_log import TrainLogger, params_l2_norm, timers_for
 
 # megatron-core 0.19 asks whether context parallelism is "hybrid" (we run the plain kind); 0.16 does not.
 _CP_ARGS = ({"is_hybrid_cp": False}
@@ -54,6 +57,7 @@ _CP_ARGS = ({"is_hybrid_cp": False}
 
 
 def pretrain(args: argparse.Namespace) -> int:
+    restart_phases.attempt_started()  # the imports are done: each step to the first iteration is timed
     launcher_watch.watch()  # an orphaned rank must not train on next to the restarted job
     signal_handler.install_from_args(args)  # first: a preemption during set-up or the load counts too
     ft = FaultTolerance.from_args(args)  # first: a hang anywhere in set-up is caught from here on
@@ -70,14 +74,28 @@ def pretrain(args: argparse.Namespace) -> int:
     return code
 
 
+def _process_settings(args: argparse.Namespace) -> None:
+    """What Megatron-LM's flags set for the whole process, before any kernel runs."""
+    if args.logging_level is not None:
+        logging.getLogger().setLevel(args.logging_level)
+    if args.deterministic_mode:
+        # Megatron-LM's determinism.apply_determinism_env (a value the user set wins), then torch's switch.
+        for name, value in (("NCCL_ALGO", "Ring"), ("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0"),
+                            ("CUBLAS_WORKSPACE_CONFIG", ":4096:8")):
+            os.environ.setdefault(name, value)
+        torch.use_deterministic_algorithms(True)
+
+
 def _pretrain(args: argparse.Namespace, ft: FaultTolerance) -> int:
-    cpu_compat.apply_if_needed()
-    core_fixes.apply()
+    _process_settings(args)
     parallel.initialize(args)
+    restart_phases.mark("process_groups")
     dir_lock.lock_run_directories(args)  # before anything is written: another job may own the directory
     events.configure(args.save)
     events.record("start", world_size=args.world_size, train_iters=args.train_iters, load=args.load,
                   run_id=os.environ.get("TORCHELASTIC_RUN_ID"))
+    for decision in patches.decisions():  # said at start-up, before the event log had a place
+        events.record("patch", **decision)
     dir_lock.record_takeovers()
     if (code := _earlier_attempt_said_stop(args)) is not None:
         return code
@@ -85,13 +103,16 @@ def _pretrain(args: argparse.Namespace, ft: FaultTolerance) -> int:
     ft.log_setup()
     tokenizer = build_tokenizer(args)
     model, optimizer, scheduler = build_engine(args, tokenizer.vocab_size)
+    restart_phases.mark("engine")
     faults = FaultInjector(args)
     rerun.initialize(rerun.RerunConfig.from_args(args))  # before the load: a checkpoint may hold its state
     checkpoints = CheckpointManager(CheckpointConfig.from_args(args), model, optimizer, scheduler, args,
                                     on_staged=faults.on_staged)
     with signal_handler.loading():  # a signal now ends the process: a load can block past any grace
         progress = checkpoints.load()
+    restart_phases.mark("loaded")
     train_ds, valid_ds = build_datasets(args, tokenizer)
+    restart_phases.mark("data")
     ft.setup_done(resumed=progress.iteration > 0)
     try:
         code = train(args, model, optimizer, scheduler, checkpoints, progress, train_ds, valid_ds, faults, ft)
@@ -122,15 +143,19 @@ def _earlier_attempt_said_stop(args: argparse.Namespace) -> int | None:
 
 
 def build_engine(args: argparse.Namespace, vocab_size: int):
-    """megatron-core's engine for this rank: (model chunks in DDP, optimizer, LR scheduler)."""
+    """megatron-core's engine for this rank: (model chunks in DDP, optimizer, LR scheduler), timed by
+    megatron-core's timers at --timing-log-level 1 and 2."""
+    args.padded_vocab_size = padded_vocab_size(vocab_size, args)  # Megatron-LM's attribute (FLOPs, logs)
     model = wrap_in_ddp(build_model_chunks(args, vocab_size), args)
-    optimizer = build_optimizer(model, args)
+    timers = timers_for(args)
+    get_model_config(model[0]).timers = timers
+    optimizer = build_optimizer(model, args, timers)
     return model, optimizer, build_scheduler(optimizer, args)
 
 
 def train(args, model, optimizer, scheduler, checkpoints, progress: TrainProgress,
           train_ds, valid_ds, faults: FaultInjector, ft: FaultTolerance) -> int:
-    logger, stops, stop = TrainLogger(args), StopConditions(args), None
+    logger, stops, stop = TrainLogger(args, get_model_config(model[0]).timers), StopConditions(args), None
     escape = RerunEscape.from_args(args)  # bounds the rerun state machine's same-device retries
     stragglers = StragglerDetection.from_args(args, model)  # times each rank's own forward and backward
     events.print_rank_0(f"training from iteration {progress.iteration} to {args.train_iters}")
@@ -143,6 +168,9 @@ def train(args, model, optimizer, scheduler, checkpoints, progress: TrainProgres
         ft.close()
         logger.close()
         return stop.exit_code
+    if args.manual_gc:  # Megatron-LM: no automatic collections; collect at known points instead
+        gc.disable()
+        gc.collect()
     while stop is None and progress.iteration < args.train_iters:
         with ft.step():  # an injected hang or slowness counts as part of the iteration
             stragglers.iteration_started()  # this rank's own work starts here, injected slowness included
@@ -156,14 +184,18 @@ def train(args, model, optimizer, scheduler, checkpoints, progress: TrainProgres
             continue
         progress.iteration += 1
         progress.consumed_train_samples += args.global_batch_size
+        restart_phases.iteration_taken()
         logger.training_step(progress.iteration, progress.consumed_train_samples, learning_rate(optimizer),
                              report)
         if (reloaded := checkpoints.check_canary(progress, report.loss, report.grad_norm)) is not None:
             progress = reloaded  # the non-persistent checkpoint was bad: back to a persistent one
             continue
         escape.step_taken(progress.iteration)  # after the canary: a step it rejects passed nothing
+        _housekeeping(args, model, progress.iteration)
         if valid_ds is not None and args.eval_iters and progress.iteration % args.eval_interval == 0:
-            logger.validation(progress.iteration, evaluate(args, model, valid_ds, progress))
+            with _collected_around(args.manual_gc and args.manual_gc_eval):
+                logger.validation(progress.iteration, evaluate(args, model, valid_ds, progress),
+                                  progress.consumed_train_samples)
             logger.restart_interval()
         if ft.checkpointing(checkpoints.maybe_save, progress):
             logger.restart_interval()
@@ -173,6 +205,8 @@ def train(args, model, optimizer, scheduler, checkpoints, progress: TrainProgres
                             iteration=progress.iteration, exit_code=stop.exit_code, requeue=stop.requeue)
             break
     ft.checkpointing(rerun.final_save(checkpoints, stop), progress, final=True)
+    if args.manual_gc:
+        gc.enable()  # an in-process restart runs the next attempt in this process
     stragglers.close()
     ft.close()
     logger.close()
@@ -182,15 +216,51 @@ def train(args, model, optimizer, scheduler, checkpoints, progress: TrainProgres
     return stop.exit_code
 
 
+def _housekeeping(args, model, iteration: int) -> None:
+    """After a taken step: Megatron-LM's periodic garbage collection, weight-hash comparison of the
+    data-parallel replicas, CUDA cache release and profiler window."""
+    if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
+        gc.collect()
+    interval = args.check_weight_hash_across_dp_replicas_interval
+    if interval is not None and iteration % interval == 0:
+        with params_in_sync(model, args):
+            weight_hashes.check(model, iteration)
+    if args.empty_unused_memory_level >= 1:
+        torch.cuda.empty_cache()
+    if args.profile and (not args.profile_ranks or torch.distributed.get_rank() in args.profile_ranks):
+        if iteration == args.profile_step_start:
+            torch.cuda.cudart().cudaProfilerStart()
+        elif iteration == args.profile_step_end:
+            torch.cuda.cudart().cudaProfilerStop()
+
+
+class _collected_around:
+    """Collect garbage before and after the block (--manual-gc around evaluation)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+
+    def __enter__(self) -> None:
+        if self.enabled:
+            gc.collect()
+
+    def __exit__(self, *exc) -> None:
+        if self.enabled:
+            gc.collect()
+
+
 class StepReport:
     """What a taken step reports, the same on every rank: the loss (summed over the global batch's tokens,
-    divided by their number, as Megatron-LM reports it), the grad norm, the MoE auxiliary losses, and
-    whether the optimizer updated (fp16 loss scaling skips a step whose gradients overflowed)."""
+    divided by their number, as Megatron-LM reports it), the grad norm, the MoE and multi-token prediction
+    auxiliary losses, whether the optimizer updated (fp16 loss scaling skips a step whose gradients
+    overflowed), and with Megatron-LM's logging flags the zeros in the gradients and the weights' norm."""
 
     def __init__(self, loss: float, grad_norm: float, updated: bool = True, loss_scale: float = 1.0,
-                 moe_losses: dict[str, float] | None = None) -> None:
+                 moe_losses: dict[str, float] | None = None, num_zeros: float | None = None,
+                 params_norm: float | None = None) -> None:
         self.loss, self.grad_norm, self.updated, self.loss_scale = loss, grad_norm, updated, loss_scale
         self.moe_losses = moe_losses or {}
+        self.num_zeros, self.params_norm = num_zeros, params_norm
 
 
 def _microbatches(args) -> list:
@@ -261,6 +331,7 @@ def train_step(args, model, optimizer, scheduler, dataset, progress: TrainProgre
         step.check_loss(loss)
         return loss
 
+    timers = get_model_config(model[0]).timers  # --timing-log-level 1 and 2 only
     for chunk in model:
         chunk.train()
     while step.runs():  # a second pass replays the step: same batches (consumed samples), same RNG
@@ -269,15 +340,21 @@ def train_step(args, model, optimizer, scheduler, dataset, progress: TrainProgre
             chunk.ddp_config.check_for_nan_in_grad = step.grad_checks  # DDP's check before the reduction
         optimizer.zero_grad()
         reports = _run_schedule(args, model, dataset, progress.consumed_train_samples, on_loss,
-                                forward_only=False)
+                                forward_only=False)  # megatron-core times it ("forward-backward")
     if (stop := step.verdict()) is not None:
         return None, stop
-    updated, grad_norm, _ = optimizer.step()
+    if timers is not None:
+        timers("optimizer", log_level=1).start()
+    updated, grad_norm, num_zeros = optimizer.step()
+    if timers is not None:
+        timers("optimizer").stop()
     if updated:
         scheduler.step(increment=args.global_batch_size)
     moe_losses = moe_metrics.reduce_aux_losses(args)
+    params_norm = params_l2_norm(model, args.bf16) if args.log_params_norm else None
     return StepReport(_reported_loss(reports), float("nan") if grad_norm is None else float(grad_norm),
-                      updated, float(optimizer.get_loss_scale()), moe_losses), None
+                      updated, float(optimizer.get_loss_scale()), moe_losses,
+                      num_zeros if args.log_num_zeros_in_grad else None, params_norm), None
 
 
 @torch.no_grad()

@@ -32,7 +32,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (  # noqa
 from megatron.core.rerun_state_machine import get_rerun_state_machine  # noqa: E402
 from megatron.core.utils import unwrap_model  # noqa: E402
 
-from megatron_resil import core_fixes, cpu_compat, parallel, rerun  # noqa: E402
+from megatron_resil import parallel, patches, rerun  # noqa: E402
 from megatron_resil.arguments import parse_args  # noqa: E402
 from megatron_resil.tokenizer import build_tokenizer  # noqa: E402
 from megatron_resil.training import build_engine  # noqa: E402
@@ -174,8 +174,7 @@ def main() -> int:
     outer.add_argument("--megatron-save", required=True)
     ours, pretrain_flags = outer.parse_known_args()
     args = parse_args(pretrain_flags)
-    cpu_compat.apply_if_needed()
-    core_fixes.apply()
+    patches.install(args)
     parallel.initialize(args)
     rerun.initialize(rerun.RerunConfig.from_args(args))
     model, optimizer, scheduler = build_engine(args, build_tokenizer(args).vocab_size)

@@ -14,7 +14,7 @@ import queue
 import pytest
 import torch
 
-from megatron_resil import model
+from megatron_resil import model, patches
 from megatron_resil.arguments import parse_args
 from megatron_resil.checkpointing import async_save, state
 from megatron_resil.checkpointing.global_tier import write_own_shards
@@ -43,8 +43,10 @@ def test_the_async_save_worker_is_handed_the_trainers_device(monkeypatch):
     writer = async_save.WriterProcess()
     monkeypatch.setattr(writer._ctx, "Process", NotStarted)
     writer.start()
-    assert started["target"] is async_save._worker_loop
-    assert started["args"][1] == 3
+    # The worker loop, entered once the trainer's patches are installed in the new interpreter.
+    assert started["target"] is patches.call_installed
+    assert started["args"][0] == "megatron_resil.checkpointing.async_save:_worker_loop"
+    assert started["args"][3] == 3
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert async_save.trainer_device_index() is None
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from megatron.core.rerun_state_machine import RerunState
 
-from megatron_resil import rerun  # noqa: F401 - allows the machine's enums in torch.load(weights_only=True)
+from megatron_resil import patches
 from megatron_resil.arguments import parse_args
 from megatron_resil.checkpointing import layout
 from tests import launch
@@ -32,6 +32,7 @@ def _saving(root: Path) -> list[str]:
 
 
 def _machine_state(root: Path, iteration: int) -> dict | None:
+    patches.install()  # as pretrain.py does: the machine's enums load with torch.load(weights_only=True)
     common = torch.load(Path(layout.iteration_dir(str(root), iteration)) / "common.pt", weights_only=True)
     return common["rerun_state_machine"]
 

@@ -109,14 +109,17 @@ def test_a_planted_pickle_is_refused_naming_the_file_and_class_and_never_runs(ch
 
 def test_torchs_own_readers_refuse_it_too(checkpoint, tmp_path):
     """What megatron-core calls during a load: DCP's metadata reader and the default planner's
-    load_bytes (weights_only=False upstream); both go through the allow-list once installed."""
+    load_bytes (weights_only=False upstream); both go through the allow-list once installed, as
+    pretrain.py installs it at start-up."""
     import torch
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
+    from megatron_resil import patches
     from megatron_resil.checkpointing import safe_load
+    patches.install()
     marker = tmp_path / "code_ran"
     plain = FileSystemReader(str(checkpoint)).read_metadata()
     _plant_in_metadata(checkpoint, marker)

@@ -18,14 +18,14 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedTensor
 from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 
-from megatron_resil import cpu_compat
+from megatron_resil import patches
 from megatron_resil.checkpointing import dcp_writer, shard_writer
 from megatron_resil.checkpointing.manifest import CHECKSUM, extend_checksum, file_checksum
 
 
 @pytest.fixture
 def one_rank(tmp_path: Path):
-    cpu_compat.apply_if_needed()  # megatron-core's save calls CUDA entry points
+    patches.install()  # megatron-core's save calls CUDA entry points; our writer relies on its hooks
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.multiprocessing as mp
 
-from megatron_resil import cpu_compat, events, launcher_watch, parallel
+from megatron_resil import events, parallel, patches
 from megatron_resil.checkpointing.global_tier import CheckpointSaveError
 from megatron_resil.checkpointing.tier import AsyncSaveJob, CheckpointTier
 
@@ -55,8 +55,6 @@ def _worker_loop(trainer_pid: int, device_index: int | None, requests, results) 
     bind_device(device_index)  # first: before any CUDA call
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    cpu_compat.apply_if_needed()  # megatron-core's writer synchronises CUDA
-    launcher_watch.forks_die_with_this_process()  # the writer's forked helpers, when we are killed
     # The tiers' modules (megatron-core, NVRx) are imported before "ready", not inside a save.
     import megatron_resil.checkpointing.global_tier  # noqa: F401
     import megatron_resil.checkpointing.local_tier  # noqa: F401
@@ -119,9 +117,10 @@ class WriterProcess:
         self._requests, self._results = self._ctx.Queue(), self._ctx.Queue()
         # Not a daemon: megatron-core's writer forks its own writers. So that an exiting trainer
         # never waits on it, it is killed at exit (a pending save is unpublishable then anyway).
-        self.process = self._ctx.Process(target=_worker_loop,
-                                         args=(os.getpid(), trainer_device_index(), self._requests,
-                                               self._results))
+        # Its patches (the trainer's) go in before its first import of megatron-core.
+        self.process = self._ctx.Process(target=patches.call_installed,
+                                         args=(f"{__name__}:_worker_loop", patches.applied(), os.getpid(),
+                                               trainer_device_index(), self._requests, self._results))
         self.process.start()
         self.started_at, self.ready_at = time.monotonic(), None
         self._killed_by_us = False

@@ -6,6 +6,9 @@ job-wide SIGTERM. A synchronous save reports within the process that runs it, so
 queue; only --async-save, whose worker is another process, needs the Manager: we start that one
 ourselves, early and deaf to termination signals. And torch.save's own per-record CRC, which nothing
 checks on load, is skipped while our manifest's CRC covers the same bytes.
+
+The queue is megatron-core's private `filesystem_async._results_queue` (a dependency the patches check at
+start-up; where it is gone, megatron-core's own queue is left in place).
 """
 
 from __future__ import annotations
@@ -18,8 +21,6 @@ import threading
 from multiprocessing.managers import SyncManager
 
 import torch
-from megatron.core.dist_checkpointing import serialization
-from megatron.core.dist_checkpointing.strategies import common as common_strategies
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from megatron_resil.checkpointing import write_queue_server
@@ -46,6 +47,9 @@ def without_torch_record_crc():
 def results_in_this_process():
     """For a synchronous save: megatron-core's writer runs in this process (its forked helpers report
     to it through their own queue), so its results queue need not cross a process boundary."""
+    if not hasattr(filesystem_async, "_results_queue"):
+        yield
+        return
     previous = filesystem_async._results_queue
     filesystem_async._results_queue = queue.Queue()
     try:
@@ -112,7 +116,9 @@ def rank0_writes_fail_late():
         _late_failures = None
 
 
-def _failing_late(write):
+def failing_late(write):
+    """`write` (one of rank 0's writes above), holding its error while `rank0_writes_fail_late` is open.
+    Installed in megatron-core at start-up (patches/megatron_core.py)."""
     def call(*args, **kwargs):
         if _late_failures is None:
             return write(*args, **kwargs)
@@ -124,15 +130,3 @@ def _failing_late(write):
     call.__wrapped__ = write
     return call
 
-
-# megatron-core 0.16 writes common.pt through TorchCommonSaveStrategy.save_common (rank 0, before the
-# shard write). 0.19 has no such class: the common state travels inside the torch_dist shards as the
-# "common_state" object, written with them, so there is no separate rank-0 write to hold.
-_common = getattr(common_strategies, "TorchCommonSaveStrategy", None)
-if _common is not None and not hasattr(_common.save_common, "__wrapped__"):
-    _common.save_common = _failing_late(_common.save_common)
-_writer = filesystem_async.FileSystemWriterAsync
-if not hasattr(_writer.finish, "__wrapped__"):
-    _writer.finish = _failing_late(_writer.finish)
-if not hasattr(serialization.save_config, "__wrapped__"):
-    serialization.save_config = _failing_late(serialization.save_config)

@@ -50,7 +50,7 @@ from megatron_resil.checkpointing.tracker import read_tracker, write_tracker
 
 FORMATS = ("torch_dist", "zarr")
 # megatron-core 0.16's load() takes the common.pt reader (ours reads weights-only); 0.19's has no such
-# argument and reads the common state itself (its legacy common.pt reader is ours: safe_load.install).
+# argument and reads the common state itself (its legacy common.pt reader is ours: patches/megatron_core.py).
 _LOAD_TAKES_COMMON_STRATEGY = "common_strategy" in inspect.signature(dist_checkpointing.load).parameters
 # megatron-core 0.19's save() hands an async save to NVRx's writer unless told "mcore"; our worker, queue
 # and checksumming writer are built on megatron-core's own (the only one 0.16 has).

@@ -49,7 +49,8 @@ SESSION = ""  # Megatron-LM's default session id: <root>/<rank>/...
 
 
 class _VerifiableLocalManager(LocalCheckpointManager):
-    """LocalCheckpointManager writing sealed shards with their manifests."""
+    """LocalCheckpointManager writing sealed shards with their manifests. The NVRx methods it overrides and
+    calls are private: checked at start-up against the installed NVRx (patches/nvrx.py)."""
 
     def __init__(self, root: str, repl_strategy=None) -> None:
         super().__init__(root, session_id=SESSION, repl_strategy=repl_strategy)

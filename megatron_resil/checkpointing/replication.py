@@ -25,6 +25,8 @@ def comm_device() -> str:
 
 
 class _PointToPointGroup(GroupWrapper):
+    """Overrides NVRx's transfer methods, checked at start-up against the installed NVRx (patches/nvrx.py)."""
+
     def isend_state_dict(self, state_dict, dst: int) -> dict:
         tensors = state_dict.pop_tensors()  # already on the communication device
         self.send_object(state_dict, dst)

@@ -14,10 +14,11 @@ So every read goes through an allow-list:
   tensors, plain containers and the classes registered with `torch.serialization.add_safe_globals`
   (megatron-core's own list, and our rerun state).
 
-`install()` puts the allow-list into the two torch functions that unpickle (DCP's metadata reader and
-the default load planner's `load_bytes`); `GlobalTier.verify` calls `check_checkpoint` before any load,
-so a refused checkpoint is rejected like a corrupt one, and the loader moves on to the next candidate.
-A refusal is one line naming the file and the class it asked for.
+The patches installed at start-up (patches/torch_dcp.py, patches/megatron_core.py) put the allow-list
+into the torch functions that unpickle (DCP's metadata reader and the default load planner's `load_bytes`)
+and into megatron-core 0.19's legacy common.pt reader; `GlobalTier.verify` calls `check_checkpoint` before
+any load, so a refused checkpoint is rejected like a corrupt one, and the loader moves on to the next
+candidate. A refusal is one line naming the file and the class it asked for.
 
 The weights-only allow-list is ours, not torch's global one: torch and megatron-core register classes
 whose construction acts on the process (torch's `DeviceMesh` starts a process group; `DTensor` and the
@@ -41,7 +42,7 @@ from megatron.core.dist_checkpointing import serialization as core_serialization
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
 from megatron.core.dist_checkpointing.strategies import common as core_common
 from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
-from torch.distributed.checkpoint import default_planner, filesystem
+from torch.distributed.checkpoint import filesystem
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from megatron_resil.checkpointing import untrusted
@@ -240,31 +241,6 @@ def load_object_item(data, name: str, fqn: str):
     return value
 
 
-class _PickleForMetadata:
-    """Stands in for the `pickle` module inside torch's DCP filesystem module, whose only `pickle.load`
-    is the one reading `.metadata`; writing is unchanged."""
-
-    dump = staticmethod(pickle.dump)
-
-    @staticmethod
-    def load(file):
-        return load_metadata(file, getattr(file, "name", ".metadata"))
-
-    def __getattr__(self, attribute):
-        return getattr(pickle, attribute)
-
-
-def _load_bytes_weights_only(self, read_item, value: io.BytesIO) -> None:
-    """DefaultLoadPlanner.load_bytes, with weights_only=True instead of its weights_only=False."""
-    storage = getattr(self, "metadata", None) and self.metadata.storage_data.get(read_item.storage_index)
-    name = f"{storage.relative_path if storage else 'a .distcp file'} (item {read_item.dest_index.fqn})"
-    loaded = load_object_item(value, name, read_item.dest_index.fqn)
-    if self.flatten_state_dict:
-        default_planner.set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
-    else:
-        self.state_dict[read_item.dest_index.fqn] = loaded
-
-
 class CommonLoadWeightsOnly(getattr(core_common, "TorchCommonLoadStrategy", object)):
     """megatron-core's common.pt reader with weights_only=True stated (its own call leaves it to torch's
     default, which an environment variable can turn off), through `untrusted`. megatron-core 0.16 takes it
@@ -294,18 +270,9 @@ def _read_common_pt(path: str) -> dict:
         return load_weights_only(f, path)
 
 
-def _read_legacy_common(checkpoint_dir) -> dict:
+def read_legacy_common(checkpoint_dir) -> dict:
+    """megatron-core 0.19's reader of a legacy common.pt, weights-only (patches/megatron_core.py)."""
     return _read_common_pt(os.path.join(str(checkpoint_dir), COMMON_STATE_FNAME))
-
-
-def install() -> None:
-    filesystem.pickle = _PickleForMetadata()
-    default_planner.DefaultLoadPlanner.load_bytes = _load_bytes_weights_only
-    # megatron-core 0.19's load() reads a legacy common.pt through serialization.load_common (torch's
-    # default weights_only, torch's whole allow-list); 0.16 reads it through the common_strategy we pass.
-    if callable(getattr(core_serialization, "load_common_state_dict", None)) and \
-            callable(getattr(core_serialization, "load_common", None)):
-        core_serialization.load_common = _read_legacy_common
 
 
 def _check_items(path: str, metadata: Metadata) -> None:
@@ -364,5 +331,3 @@ def check_checkpoint(path: str, backend: str = "torch_dist") -> str | None:
         return f"unreadable object data: {type(err).__name__}: {first_line}"
     return None
 
-
-install()

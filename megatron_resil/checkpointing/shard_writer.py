@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
-from torch.distributed.checkpoint.filesystem import SerializationFormat, _write_item
+from torch.distributed.checkpoint import filesystem as dcp_filesystem
 
 from megatron_resil.checkpointing.manifest import CHECKSUM, checksum_files, extend_checksum
 
@@ -63,8 +63,10 @@ _written_lock = threading.Lock()
 def _write_records(transforms: list, bucket, file) -> tuple[list, _ChecksummingStream]:
     _path, storage_key, (bytes_data, tensor_data) = bucket
     stream = _ChecksummingStream(file)
-    results = [_write_item(*transforms, stream, data, item, storage_key,
-                           serialization_format=SerializationFormat.TORCH_SAVE)
+    # torch's private record writer and megatron-core's private save hook below are dependencies the
+    # patches check at start-up (patches/torch_dcp.py, patches/megatron_core.py).
+    results = [dcp_filesystem._write_item(*transforms, stream, data, item, storage_key,
+                                          serialization_format=dcp_filesystem.SerializationFormat.TORCH_SAVE)
                for item, data in [*bytes_data, *tensor_data]]
     file.flush()
     return results, stream

@@ -131,7 +131,7 @@ def rng_for_this_device(saved: dict) -> tuple[dict, list[str]]:
     """The saved RNG states in a form this device can set, and what had to be translated. A CPU-written
     checkpoint holds an empty CUDA state and CPU-format tracker states, which torch.cuda.set_rng_state and
     the tracker's first fork refuse on a GPU; a GPU-written one holds CUDA-format tracker states, which the
-    CPU tracker (cpu_compat) refuses at the first dropout. Each state of the wrong format is replaced by one
+    CPU tracker (patches) refuses at the first dropout. Each state of the wrong format is replaced by one
     seeded from the saved state it stands for (the CUDA generator's from the saved CPU generator's), so
     ranks that saved equal states (data-parallel replicas) still draw equal numbers, and those that saved
     different ones (tensor-parallel ranks' tracker streams) still draw different ones."""

@@ -1,11 +1,11 @@
-"""The accommodations megatron-core 0.16.1 needs to train and checkpoint without CUDA, in one place.
+"""megatron-core on a host without CUDA: the accommodations it needs to train and checkpoint, in one place.
 
 megatron-core's engine (DDP, the distributed optimizer, pipeline schedules, MoE dispatchers, torch_dist
 checkpointing) assumes a CUDA device throughout. Without one each assumption raises "Torch not compiled
 with CUDA enabled", so each is given the meaning it has on a host with no device: synchronising or
 emptying a cache does nothing, a "current device" is the CPU, a stream is the one implicit CPU stream,
-and a tensor asked for on 'cuda' lives on the CPU (gloo reduces CPU tensors). `apply_if_needed` does
-nothing where CUDA is present; nothing outside this module knows which case it runs in.
+and a tensor asked for on 'cuda' lives on the CPU (gloo reduces CPU tensors). Every record here applies
+only where CUDA is absent; nothing outside this package knows which case it runs in.
 
 The scopes are as narrow as megatron-core allows: `torch.cuda` entry points that dozens of modules (and
 NVRx) call are patched process-wide; literal `device='cuda'` tensors and streams are mapped only inside
@@ -15,6 +15,7 @@ the megatron-core modules that create them (`_MODULES_CREATING_CUDA_TENSORS`); t
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import importlib
@@ -23,22 +24,14 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-_applied = False
+from megatron_resil.patches import Has, Patch, Says, Takes
+
+PACKAGE = "megatron-core"
+WRITTEN_FOR = ">=0.16.1,<0.20"
 
 
-def apply_if_needed() -> bool:
-    """Apply every accommodation when CUDA is absent (once per process). Returns True if applied."""
-    global _applied
-    if torch.cuda.is_available():
-        return False
-    if not _applied:
-        _patch_cuda_entry_points()
-        _map_cuda_tensors_to_cpu()
-        _report_cpu_tensors_as_cuda()
-        _rng_tracker_on_cpu_generator()
-        _moe_split_sizes_on_host()
-        _applied = True
-    return True
+def without_cuda(args: argparse.Namespace | None) -> bool:
+    return not torch.cuda.is_available()
 
 
 # ---- torch.cuda entry points, process-wide ------------------------------------------------------------
@@ -171,9 +164,7 @@ class _TorchOnHost(types.ModuleType):
 def _map_cuda_tensors_to_cpu() -> None:
     torch_on_host = _TorchOnHost()
     for name in _MODULES_CREATING_CUDA_TENSORS:
-        module = importlib.import_module(name)
-        if getattr(module, "torch", None) is torch:  # a release that imports torch differently: leave it
-            module.torch = torch_on_host
+        importlib.import_module(name).torch = torch_on_host
 
 
 # ---- tensor.type() and tensor.cuda() inside named functions ---------------------------------------------
@@ -208,6 +199,21 @@ def _within_cpu_tensors_pass_as_cuda(function: Callable) -> Callable:
     return wrapper
 
 
+_EXCHANGES = ("exchange_loaded_tensors_gather_object", "exchange_loaded_tensors_gather_rounds",
+              "exchange_loaded_tensors_broadcast", "exchange_loaded_objects_gather_object")
+# What `_report_cpu_tensors_as_cuda` wraps.
+_PASSING_AS_CUDA = (
+    "megatron.core.optimizer.optimizer:Float16OptimizerWithFloat16Params.__init__",
+    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.__init__",
+    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.get_parameter_state_dp_zero",
+    "megatron.core.optimizer.clip_grads:clip_grad_by_total_norm_fp32",
+    "megatron.core.optimizer.optimizer:clip_grad_by_total_norm_fp32",
+    "megatron.core.optimizer.grad_scaler:DynamicGradScaler.load_state_dict",
+    "megatron.core.models.common.language_module.language_module:LanguageModule.setup_embeddings_and_output_layer",
+    *(f"megatron.core.dist_checkpointing.exchange_utils:{name}" for name in _EXCHANGES),
+)
+
+
 def _report_cpu_tensors_as_cuda() -> None:
     from megatron.core.dist_checkpointing import exchange_utils
     from megatron.core.models.common.language_module.language_module import LanguageModule
@@ -225,8 +231,7 @@ def _report_cpu_tensors_as_cuda() -> None:
     # it through its own imported name.
     wrapped_clip = _within_cpu_tensors_pass_as_cuda(clip_grads.clip_grad_by_total_norm_fp32)
     clip_grads.clip_grad_by_total_norm_fp32 = wrapped_clip
-    if getattr(optimizer, "clip_grad_by_total_norm_fp32", None) is not None:
-        optimizer.clip_grad_by_total_norm_fp32 = wrapped_clip
+    optimizer.clip_grad_by_total_norm_fp32 = wrapped_clip
     # The fp16 loss scaler moves its restored scale to the device with `.cuda()`.
     grad_scaler.DynamicGradScaler.load_state_dict = _within_cpu_tensors_pass_as_cuda(
         grad_scaler.DynamicGradScaler.load_state_dict)
@@ -235,10 +240,9 @@ def _report_cpu_tensors_as_cuda() -> None:
     LanguageModule.setup_embeddings_and_output_layer = _within_cpu_tensors_pass_as_cuda(
         LanguageModule.setup_embeddings_and_output_layer)
     # The fully parallel load's exchange of loaded shards between ranks moves them with `.cuda()`.
-    for name in ("exchange_loaded_tensors_gather_object", "exchange_loaded_tensors_gather_rounds",
-                 "exchange_loaded_tensors_broadcast", "exchange_loaded_objects_gather_object"):
-        if hasattr(exchange_utils, name):
-            setattr(exchange_utils, name, _within_cpu_tensors_pass_as_cuda(getattr(exchange_utils, name)))
+    for name in _EXCHANGES:
+        setattr(exchange_utils, name, _within_cpu_tensors_pass_as_cuda(getattr(exchange_utils, name)))
+
 
 
 # ---- the tensor-parallel RNG tracker ---------------------------------------------------------------------
@@ -298,3 +302,69 @@ def _moe_split_sizes_on_host() -> None:
         return move(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
     token_dispatcher.maybe_move_tensor_to_cpu = to_host
+
+
+_TP_RANDOM = "megatron.core.tensor_parallel.random"
+_CUDA = ("synchronize", "current_device", "empty_cache", "get_rng_state", "set_rng_state")
+
+PATCHES = (
+    Patch(
+        name="CUDA entry points on the host",
+        package="torch", written_for=">=2.6,<2.14",
+        target="torch.cuda:synchronize",
+        why="dist_checkpointing, DDP, the optimizers, the rerun state machine and NVRx call "
+            f"torch.cuda.{{{','.join(_CUDA)}}}; without CUDA each raises, and each has an exact CPU meaning",
+        checks=tuple(Has(f"torch.cuda:{name}") for name in _CUDA),
+        apply=_patch_cuda_entry_points, when=without_cuda,
+    ),
+    Patch(
+        name="'cuda' tensors and streams inside megatron-core's modules",
+        package=PACKAGE, written_for=WRITTEN_FOR,
+        target="megatron.core.distributed.param_and_grad_buffer:torch",
+        why="these modules create tensors with device='cuda' and use CUDA streams and events; each sees a "
+            "`torch` whose factories make CPU tensors and whose streams are the one CPU stream",
+        checks=tuple(Has(f"{name}:torch") for name in _MODULES_CREATING_CUDA_TENSORS),
+        apply=_map_cuda_tensors_to_cpu, when=without_cuda,
+    ),
+    Patch(
+        name="CPU tensors pass as CUDA inside named functions",
+        package=PACKAGE, written_for=WRITTEN_FOR,
+        target="megatron.core.optimizer.optimizer:Float16OptimizerWithFloat16Params.__init__",
+        why="the optimizers accept only parameters whose type() is torch.cuda.*Tensor, grad clipping asserts "
+            "it, and a few functions move tensors with .cuda(); only while those functions run",
+        checks=(*(Has(path) for path in _PASSING_AS_CUDA), Has("torch:Tensor.type"),
+                Has("torch:Tensor.cuda")),
+        apply=_report_cpu_tensors_as_cuda, when=without_cuda,
+    ),
+    Patch(
+        name="tensor-parallel RNG tracker on the CPU generator",
+        package=PACKAGE, written_for=WRITTEN_FOR,
+        target=f"{_TP_RANDOM}:initialize_rng_tracker",
+        why="megatron-core's RNG tracker keeps CUDA generator states; sequence parallelism and MoE need it, "
+            "and on CPU dropout draws from the CPU generator",
+        checks=(
+            Takes(f"{_TP_RANDOM}:initialize_rng_tracker",
+                  ("use_te_rng_tracker", "inference_rng_tracker", "use_cudagraphable_rng", "force_reset")),
+            Has(f"{_TP_RANDOM}:_CUDA_RNG_STATE_TRACKER"),
+            Has(f"{_TP_RANDOM}:_CUDA_RNG_STATE_TRACKER_INITIALIZED"),
+            Has(f"{_TP_RANDOM}:_MODEL_PARALLEL_RNG_TRACKER_NAME"),
+            Says(f"{_TP_RANDOM}:CudaRNGStatesTracker.reset", "self.states_ = {}"),
+            Says(f"{_TP_RANDOM}:CudaRNGStatesTracker.reset", "self.seeds_ = set()"),
+            Says(f"{_TP_RANDOM}:CudaRNGStatesTracker.reset", "self._current_state_name"),
+        ),
+        apply=_rng_tracker_on_cpu_generator, when=without_cuda,
+    ),
+    Patch(
+        name="MoE all-to-all split sizes on the host",
+        package=PACKAGE, written_for=WRITTEN_FOR,
+        target="megatron.core.transformer.moe.token_dispatcher:maybe_move_tensor_to_cpu",
+        why="maybe_move_tensor_to_cpu(..., as_numpy=True) converts only CUDA tensors: on CPU the alltoall "
+            "dispatcher's split sizes stay tensors, which all_to_all_single rejects",
+        checks=(
+            Takes("megatron.core.transformer.moe.moe_utils:maybe_move_tensor_to_cpu",
+                  ("tensor", "as_numpy", "record_stream")),
+            Has("megatron.core.transformer.moe.token_dispatcher:maybe_move_tensor_to_cpu"),
+        ),
+        apply=_moe_split_sizes_on_host, when=without_cuda,
+    ),
+)

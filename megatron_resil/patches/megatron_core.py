@@ -1,0 +1,456 @@
+"""megatron-core: workarounds for its bugs that strike on any device, the deferral of its torch.compile
+decorations, the hooks our checkpoint saving and loading put into dist_checkpointing, and the private names
+our code builds on. Each fix is checked against the code it fixes, so a release that changed that code
+stops the run instead of being patched blindly. CPU-only accommodations: megatron_core_cpu.py."""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.machinery
+import sys
+from collections.abc import Callable
+
+from megatron_resil.patches import STAND_DOWN, Has, NotImported, Patch, Says, Takes, _resolve
+
+PACKAGE = "megatron-core"
+WRITTEN_FOR = ">=0.16.1,<0.20"
+_DISTRIB_OPTIMIZER = "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer"
+_MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
+_SERIALIZATION = "megatron.core.dist_checkpointing.serialization"
+_COMMON = "megatron.core.dist_checkpointing.strategies.common"
+_FILESYSTEM_ASYNC = "megatron.core.dist_checkpointing.strategies.filesystem_async"
+_RERUN = "megatron.core.rerun_state_machine"
+
+
+# ---- torch.compile deferred in megatron.core.jit -------------------------------------------------------
+# megatron-core decorates dozens of functions with `torch.compile` (its `jit_fuser`) as its modules are
+# imported, and the decoration alone imports TorchInductor, about 2 s of every process's start on two
+# cores, although nothing on the paths we run calls those functions. The decoration is deferred to a
+# function's first call, where torch.compile would compile it anyway: the same compiled function, later.
+# The deferral is bound when `megatron.core.jit` is first imported, through an import hook: so it is
+# installed first, before anything imports megatron-core.
+
+def _deferred(compile_now: Callable) -> Callable:
+    def compile_on_first_call(model=None, **options):
+        if model is None:  # used as @torch.compile(...) with options
+            return lambda fn: compile_on_first_call(fn, **options)
+        compiled = None
+
+        @functools.wraps(model)
+        def call(*args, **kwargs):
+            nonlocal compiled
+            if compiled is None:
+                compiled = compile_now(model, **options)
+            return compiled(*args, **kwargs)
+
+        return call
+
+    return compile_on_first_call
+
+
+class _DeferCompileLoader(importlib.abc.Loader):
+    """Runs megatron.core.jit's module code with torch.compile deferred; torch.compile itself is left
+    as it was."""
+
+    def __init__(self, loader) -> None:
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        import torch  # imported already: megatron.core's package imports it first
+
+        real_compile = torch.compile
+        torch.compile = _deferred(real_compile)
+        try:
+            self.loader.exec_module(module)  # binds jit_fuser to torch.compile as it is now
+        finally:
+            torch.compile = real_compile
+
+
+class _JitImportHook(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "megatron.core.jit":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _DeferCompileLoader(spec.loader)
+        return spec
+
+
+def _defer_jit_compile() -> None:
+    sys.meta_path.insert(0, _JitImportHook())
+
+
+# ---- the MoE router's GEMM without Transformer Engine ---------------------------------------------------
+
+def _router_gemm_without_transformer_engine() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.te_general_gemm = None
+
+
+def _router_gemm_defined() -> str | None:
+    if hasattr(_resolve(_MOE_UTILS), "te_general_gemm"):
+        return "moe_utils defines te_general_gemm"
+    return None
+
+
+# ---- the distributed optimizer on torch's Adam ------------------------------------------------------------
+
+def _distributed_optimizer_on_torch_adam() -> None:
+    import torch
+    from megatron.core.optimizer import distrib_optimizer
+
+    optimizer_class = distrib_optimizer.DistributedOptimizer
+    state_dict, load_state_dict = optimizer_class.state_dict, optimizer_class.load_state_dict
+
+    @functools.wraps(state_dict)
+    def state_dict_before_first_step(self):
+        if self.optimizer.state:
+            return state_dict(self)
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        for param in params:
+            self.optimizer.state[param] = {"step": torch.tensor(0.0)}
+        try:
+            return state_dict(self)
+        finally:
+            self.optimizer.state.clear()
+
+    @functools.wraps(load_state_dict)
+    def load_state_dict_with_own_steps(self, saved):
+        load_state_dict(self, saved)
+        steps = {group.get("step") for group in saved.get("optimizer", {}).get("param_groups", [])} - {None}
+        if len(steps) != 1:
+            return
+        (step,) = steps
+        for param_state in self.optimizer.state.values():
+            if isinstance(param_state.get("step"), torch.Tensor):
+                param_state["step"] = torch.tensor(float(step), dtype=param_state["step"].dtype)
+
+    set_states = optimizer_class._set_main_param_and_optimizer_states
+
+    @functools.wraps(set_states)
+    def set_states_but_step(self, model_param, tensors):
+        if "step" not in tensors:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            own_step = self.optimizer.state.get(main_param, {}).get("step")
+            if own_step is not None:
+                tensors = {**tensors, "step": own_step}  # copied onto itself: unchanged
+        return set_states(self, model_param, tensors)
+
+    optimizer_class.state_dict = state_dict_before_first_step
+    optimizer_class.load_state_dict = load_state_dict_with_own_steps
+    optimizer_class._set_main_param_and_optimizer_states = set_states_but_step
+
+
+def _optimizer_from_apex_or_te() -> str | None:
+    if getattr(_resolve("megatron.core.optimizer.distrib_optimizer"), "HAVE_APEX_OR_TE", False):
+        return "it wraps Apex's or Transformer Engine's Adam here, which keeps the step in its param groups"
+    return None
+
+
+# ---- destroy_model_parallel forgets groups ----------------------------------------------------------------
+
+def _destroy_model_parallel_forgets_no_group() -> None:
+    import torch
+    from megatron.core import parallel_state
+
+    destroy = parallel_state.destroy_model_parallel
+
+    def holds_process_group(value) -> bool:
+        if isinstance(value, torch.distributed.ProcessGroup):
+            return True
+        if isinstance(value, (list, tuple)):
+            return any(isinstance(item, torch.distributed.ProcessGroup) for item in value)
+        return False
+
+    @functools.wraps(destroy)
+    def destroy_every_group() -> None:
+        destroy()
+        for name, value in list(vars(parallel_state).items()):
+            if not (name.startswith("_") and name.isupper()):
+                continue
+            if isinstance(value, dict) and holds_process_group(list(value.values())):
+                value.clear()
+            elif holds_process_group(value):
+                setattr(parallel_state, name, None)
+
+    parallel_state.destroy_model_parallel = destroy_every_group
+
+
+# ---- the dp_reshardable format's padding ------------------------------------------------------------------
+
+def _distributed_optimizer_padding_saved_as_zeros() -> None:
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor
+    from megatron.core.optimizer import distrib_optimizer
+
+    optimizer_class = distrib_optimizer.DistributedOptimizer
+    sharded_param_state = optimizer_class.sharded_param_state_dp_reshardable
+
+    @functools.wraps(sharded_param_state)
+    def with_zeroed_padding(self, *args, **kwargs):
+        state = sharded_param_state(self, *args, **kwargs)
+        for key, per_dtype in state.items():
+            if not isinstance(key, int):
+                continue  # per_bucket_numel and the like
+            for buckets in per_dtype.values():
+                for bucket in buckets:
+                    for entry in bucket:
+                        padding = entry.get("padding")
+                        if isinstance(padding, LocalNonpersistentObject) and padding.obj is True:
+                            for value in entry.values():
+                                if isinstance(value, ShardedTensor) and value.data is not None:
+                                    value.data.zero_()
+        return state
+
+    optimizer_class.sharded_param_state_dp_reshardable = with_zeroed_padding
+
+
+def _no_dp_reshardable_format() -> str | None:
+    if not hasattr(_resolve(_DISTRIB_OPTIMIZER), "sharded_param_state_dp_reshardable"):
+        return "DistributedOptimizer has no sharded_param_state_dp_reshardable (no dp_reshardable format)"
+    return None
+
+
+# ---- rank 0's writes inside a collective save (checkpointing/dcp_writer.py) -------------------------------
+
+def _common_pt_write_fails_late() -> None:
+    from megatron.core.dist_checkpointing.strategies import common
+
+    from megatron_resil.checkpointing import dcp_writer
+
+    strategy = common.TorchCommonSaveStrategy
+    strategy.save_common = dcp_writer.failing_late(strategy.save_common)
+
+
+def _no_common_pt() -> str | None:
+    if not hasattr(_resolve(_COMMON), "TorchCommonSaveStrategy"):
+        return "it writes no common.pt (the common state travels in the torch_dist shards)"
+    return None
+
+
+def _metadata_writes_fail_late() -> None:
+    from megatron.core.dist_checkpointing import serialization
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from megatron_resil.checkpointing import dcp_writer
+
+    writer = filesystem_async.FileSystemWriterAsync
+    writer.finish = dcp_writer.failing_late(writer.finish)
+    serialization.save_config = dcp_writer.failing_late(serialization.save_config)
+
+
+# ---- a legacy common.pt read weights-only (checkpointing/safe_load.py) -----------------------------------
+
+def _legacy_common_pt_weights_only() -> None:
+    from megatron.core.dist_checkpointing import serialization
+
+    from megatron_resil.checkpointing import safe_load
+
+    serialization.load_common = safe_load.read_legacy_common
+
+
+def _common_pt_read_through_our_strategy() -> str | None:
+    if not hasattr(_resolve(_SERIALIZATION), "load_common"):
+        return "its load() reads common.pt only through the common strategy we pass it"
+    return None
+
+
+def _no_common_load_strategy() -> str | None:
+    if not hasattr(_resolve(_COMMON), "TorchCommonLoadStrategy"):
+        return "it has no common.pt reader class (load() takes no common strategy)"
+    return None
+
+
+# ---- the rerun state machine's records in a checkpoint ---------------------------------------------------
+
+_RERUN_CLASSES = ("RerunMode", "RerunState", "RerunDiagnostic", "Call", "Caller")
+
+
+def _rerun_classes_loadable_weights_only() -> None:
+    import torch
+    from megatron.core import rerun_state_machine
+
+    torch.serialization.add_safe_globals([getattr(rerun_state_machine, name) for name in _RERUN_CLASSES])
+
+
+PATCHES = (
+    Patch(
+        name="torch.compile deferred in megatron.core.jit",
+        package=PACKAGE, written_for=WRITTEN_FOR,
+        target="megatron.core.jit:jit_fuser",
+        why="megatron-core's modules decorate functions with torch.compile at import, which imports "
+            "TorchInductor (about 2 s per process on two cores) for functions our paths never call",
+        checks=(NotImported("megatron.core.jit"), Says("megatron.core.jit", "jit_fuser = torch.compile",
+                                                       on_disk=True)),
+        apply=_defer_jit_compile,
+        on_mismatch=STAND_DOWN, without="every process imports TorchInductor at start-up (about 2 s)",
+        first=True,
+    ),
+    Patch(
+        name="MoE router GEMM without Transformer Engine",
+        package=PACKAGE, written_for=WRITTEN_FOR,
+        target=f"{_MOE_UTILS}:te_general_gemm",
+        why="moe_utils tests `te_general_gemm is not None`, but binds the name only when Transformer Engine "
+            "imports: without TE every MoE forward raises NameError (0.16.1; 0.19 binds it to None)",
+        checks=(Says(_MOE_UTILS, "te_general_gemm is not None"),),
+        apply=_router_gemm_without_transformer_engine,
+        not_needed=_router_gemm_defined, not_needed_on=">=0.19",
+    ),
+    Patch(
+        name="distributed optimizer step count on torch's Adam",
+        package=PACKAGE, written_for=WRITTEN_FOR,
+        target=f"{_DISTRIB_OPTIMIZER}.load_state_dict",
+        why="without Apex or TE the distributed optimizer mishandles torch Adam's per-parameter `step`: "
+            "state_dict() asserts before the first step, load_state_dict() gives every parameter one shared "
+            "step tensor and then overwrites it (Adam's bias correction restarted after every resume), and "
+            "the fully reshardable load asks for a `step` the checkpoint keeps in its param groups",
+        checks=(
+            Takes(f"{_DISTRIB_OPTIMIZER}.state_dict", ("self",)),
+            Takes(f"{_DISTRIB_OPTIMIZER}.load_state_dict", ("self", "state_dict")),
+            Takes(f"{_DISTRIB_OPTIMIZER}._set_main_param_and_optimizer_states",
+                  ("self", "model_param", "tensors")),
+            Says(f"{_DISTRIB_OPTIMIZER}.state_dict",
+                 's["step"].item() for s in inner_state_dict["state"].values()'),
+            Says(f"{_DISTRIB_OPTIMIZER}.load_state_dict", 's["step"] = step'),
+            Says(f"{_DISTRIB_OPTIMIZER}._set_main_param_and_optimizer_states",
+                 "self.model_param_group_index_map[model_param]"),
+        ),
+        apply=_distributed_optimizer_on_torch_adam,
+        not_needed=_optimizer_from_apex_or_te, not_needed_on=">=0",  # with TE (GPU), on any release
+    ),
+    Patch(
+        name="destroy_model_parallel resets every group",
+        package=PACKAGE, written_for=WRITTEN_FOR,
+        target="megatron.core.parallel_state:destroy_model_parallel",
+        why="destroy_model_parallel() leaves some group globals set (0.16.1: "
+            "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP and its gloo twin): a group still referenced is "
+            "never destroyed, so after a failure its gloo peers stay blocked (in-process restart)",
+        checks=(Takes("megatron.core.parallel_state:destroy_model_parallel", ()),),
+        apply=_destroy_model_parallel_forgets_no_group,
+    ),
+    Patch(
+        name="dp_reshardable padding saved as zeros",
+        package=PACKAGE, written_for=WRITTEN_FOR,
+        target=f"{_DISTRIB_OPTIMIZER}.sharded_param_state_dp_reshardable",
+        why="the dp_reshardable format saves each gradient bucket whole, its padding taken from torch.empty: "
+            "two saves of one state differ (and so do their checksums), and garbage goes to disk",
+        checks=(
+            Says(f"{_DISTRIB_OPTIMIZER}.sharded_param_state_dp_reshardable", "'padding': True"),
+            Says(f"{_DISTRIB_OPTIMIZER}.sharded_param_state_dp_reshardable", "torch.empty("),
+            Has("megatron.core.dist_checkpointing.mapping:LocalNonpersistentObject"),
+            Has("megatron.core.dist_checkpointing.mapping:ShardedTensor"),
+        ),
+        apply=_distributed_optimizer_padding_saved_as_zeros,
+        not_needed=_no_dp_reshardable_format,
+    ),
+    Patch(
+        name="common.pt write fails late",
+        package=PACKAGE, written_for=WRITTEN_FOR,
+        target=f"{_COMMON}:TorchCommonSaveStrategy.save_common",
+        why="rank 0 alone writes common.pt before the collective shard write: an error there (a full disk) "
+            "would leave every other rank waiting in that collective; held until the collectives complete",
+        checks=(Takes(f"{_COMMON}:TorchCommonSaveStrategy.save_common",
+                      ("self", "common_state_dict", "checkpoint_dir")),),
+        apply=_common_pt_write_fails_late,
+        not_needed=_no_common_pt, not_needed_on=">=0.19",
+    ),
+    Patch(
+        name=".metadata and metadata.json writes fail late",
+        package=PACKAGE, written_for=WRITTEN_FOR,
+        target=f"{_FILESYSTEM_ASYNC}:FileSystemWriterAsync.finish",
+        why="rank 0 alone writes DCP's .metadata (between the shard-write gather and the broadcast of its "
+            "outcome) and metadata.json (before a barrier): an error there would leave the others waiting",
+        checks=(
+            Takes(f"{_FILESYSTEM_ASYNC}:FileSystemWriterAsync.finish", ("self", "metadata", "results")),
+            Takes(f"{_SERIALIZATION}:save_config", ("config", "checkpoint_dir")),
+            Says(f"{_SERIALIZATION}:save", "save_config("),
+        ),
+        apply=_metadata_writes_fail_late,
+    ),
+    Patch(
+        name="legacy common.pt read weights-only",
+        package=PACKAGE, written_for=WRITTEN_FOR,
+        target=f"{_SERIALIZATION}:load_common",
+        why="megatron-core 0.19's load() reads a legacy common.pt through serialization.load_common, with "
+            "torch's default weights_only (an environment variable turns it off) and torch's whole "
+            "allow-list; ours is weights-only with the classes a checkpoint needs (see safe_load.py)",
+        checks=(
+            Takes(f"{_SERIALIZATION}:load_common", ("checkpoint_dir",)),
+            Says(f"{_SERIALIZATION}:load_common_state_dict", "return load_common(checkpoint_dir)"),
+        ),
+        apply=_legacy_common_pt_weights_only,
+        not_needed=_common_pt_read_through_our_strategy, not_needed_on="<0.19",
+    ),
+    Patch(
+        name="rerun state loadable weights-only",
+        package=PACKAGE, written_for=WRITTEN_FOR,
+        target="torch.serialization:add_safe_globals",
+        why="a checkpoint saved for exit 16 or 17 holds the rerun state machine's enums and call records, "
+            "which torch.load(weights_only=True) refuses unless they are registered",
+        checks=(Has("torch.serialization:add_safe_globals"),
+                *(Has(f"{_RERUN}:{name}") for name in _RERUN_CLASSES)),
+        apply=_rerun_classes_loadable_weights_only,
+    ),
+    # ---- dependencies: private names our code uses as they are -----------------------------------------
+    Patch(
+        name="torch_dist shard writer",
+        package=PACKAGE, written_for=WRITTEN_FOR,
+        target="megatron.core.dist_checkpointing.strategies.torch:TorchDistSaveShardedStrategy"
+               "._get_save_and_finalize_callbacks",
+        why="ChecksummedTorchDistSaveStrategy overrides this private method to write the planned buckets "
+            "itself, checksumming as it writes; it takes the request's async_fn arguments as megatron-core's "
+            "writer builds them",
+        checks=(
+            Takes("megatron.core.dist_checkpointing.strategies.torch:TorchDistSaveShardedStrategy"
+                  "._get_save_and_finalize_callbacks", ("self", "writer", "save_state_dict_ret"), more=True),
+            Has("megatron.core.dist_checkpointing.strategies.async_utils:AsyncRequest.async_fn"),
+            Has("megatron.core.dist_checkpointing.strategies.async_utils:AsyncRequest._replace"),
+            Says(f"{_FILESYSTEM_ASYNC}:FileSystemWriterAsync.get_save_function_and_args",
+                 "[torch.distributed.get_rank(), self.write_buckets, self.results_queue]"),
+        ),
+    ),
+    Patch(
+        name="write results queue",
+        package=PACKAGE, written_for=WRITTEN_FOR,
+        target=f"{_FILESYSTEM_ASYNC}:_results_queue",
+        why="dcp_writer sets the module's private results queue: an in-process queue for a synchronous save, "
+            "a Manager started early and deaf to SIGTERM for async saves",
+        checks=(Has(f"{_FILESYSTEM_ASYNC}:_results_queue"), Says(_FILESYSTEM_ASYNC, "global _results_queue")),
+        on_mismatch=STAND_DOWN,
+        without="megatron-core starts its own Manager, which costs each rank an interpreter and dies with a "
+                "job-wide SIGTERM",
+    ),
+    Patch(
+        name="common.pt reader subclass",
+        package=PACKAGE, written_for=WRITTEN_FOR,
+        target=f"{_COMMON}:TorchCommonLoadStrategy",
+        why="CommonLoadWeightsOnly overrides load_common and load_sharded_objects of megatron-core 0.16's "
+            "common strategy, which load() calls",
+        checks=(
+            Takes(f"{_COMMON}:TorchCommonLoadStrategy.load_common", ("self", "checkpoint_dir")),
+            Takes(f"{_COMMON}:TorchCommonLoadStrategy.load_sharded_objects",
+                  ("self", "sharded_objects_state_dict", "checkpoint_dir")),
+            Says(f"{_SERIALIZATION}:load", "common_strategy.load_common(checkpoint_dir)"),
+        ),
+        not_needed=_no_common_load_strategy, not_needed_on=">=0.19",
+    ),
+    Patch(
+        name="rerun state machine hooks",
+        package=PACKAGE, written_for=WRITTEN_FOR,
+        target=f"{_RERUN}:RerunStateMachine._maybe_report_stats",
+        why="rerun.py replaces, on the machine it creates, validate_result (to learn what was rejected on "
+            "which rank) and the private _maybe_report_stats (0.16.1's reads Caller.filename, which Caller "
+            "lacks: AttributeError at the first determinism report)",
+        checks=(
+            Takes(f"{_RERUN}:RerunStateMachine.validate_result",
+                  ("self", "result", "rejection_func", "message", "comparison_func", "tolerance", "fatal")),
+            Takes(f"{_RERUN}:RerunStateMachine._maybe_report_stats", ("self",)),
+            Says(f"{_RERUN}:RerunStateMachine", "self._maybe_report_stats()"),
+        ),
+    ),
+)
