@@ -283,6 +283,7 @@ def _kill_during_a_save(root: str, log_path: Path, trigger: str, skip: int,
     return hits[skip], first_save
 
 
+@pytest.mark.compat
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
 def test_sigkill_during_saves_never_leaves_a_lie(save_root: str, tmp_path: Path, mode: str) -> None:

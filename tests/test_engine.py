@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 try:
@@ -22,6 +21,7 @@ try:
 except ImportError:  # pragma: no cover - tests/ on sys.path instead
     import launch
 
+from megatron_resil.checkpointing.safe_load import CommonLoadWeightsOnly
 from tests.test_resume import TRACKER, _assert_checkpoints_identical, _iter_dir
 
 pytestmark = pytest.mark.slow
@@ -71,6 +71,7 @@ def job(request, tmp_path_factory) -> tuple[str, ResumedJob]:
     return request.param, _resumed_job(tmp_path_factory.mktemp(request.param), nproc, layout)
 
 
+@pytest.mark.compat
 def test_resumed_run_continues_bit_exact(job):
     name, run = job
     full, resumed = launch.losses(run.full_out), launch.losses(run.resumed_out)
@@ -83,18 +84,20 @@ def test_resumed_run_continues_bit_exact(job):
             f"{K}") in run.resumed_out
 
 
+@pytest.mark.compat
 def test_final_checkpoints_are_bitwise_identical(job, tmp_path):
     _, run = job
     _assert_checkpoints_identical(_iter_dir(run.full_dir, N), _iter_dir(run.resumed_dir, N), tmp_path)
 
 
+@pytest.mark.compat
 def test_checkpoint_holds_megatron_lm_keys(job):
-    """common.pt as Megatron-LM writes it; the tensors under megatron-core's sharded keys (layers stacked
-    along a layer axis, the norms under the keys Transformer Engine's fused layers use), whatever the
-    pipeline layout that wrote them."""
+    """The common state as Megatron-LM writes it (common.pt; inside the shards on megatron-core 0.19);
+    the tensors under megatron-core's sharded keys (layers stacked along a layer axis, the norms under
+    the keys Transformer Engine's fused layers use), whatever the pipeline layout that wrote them."""
     name, run = job
     checkpoint = _iter_dir(run.full_dir, N)
-    common = torch.load(checkpoint / "common.pt", weights_only=True)
+    common = CommonLoadWeightsOnly().load_common(checkpoint)
     assert set(common) == {"args", "checkpoint_version", "iteration", "num_floating_point_operations_so_far",
                            "rerun_state_machine", "optimizer", "opt_param_scheduler", "content_metadata"}
     assert common["checkpoint_version"] == 3.0 and common["iteration"] == N

@@ -43,6 +43,7 @@ def _tool(*args) -> subprocess.CompletedProcess:
                           env=launch.env(), cwd=launch.REPO, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.compat
 def test_flipped_bit_in_a_shard_is_rejected_quarantined_and_the_run_falls_back(trained, tmp_path):
     root = tmp_path / "ckpt"
     shutil.copytree(trained, root)

@@ -71,6 +71,7 @@ def _resume(root: Path) -> str:
     return result.stdout
 
 
+@pytest.mark.compat
 def test_bad_copies_are_set_aside_and_each_rank_uses_a_verified_one(two_ranks_crashed, tmp_path):
     root = _copy(two_ranks_crashed, tmp_path)
     _flip(_shard(root, holder=1, owner=1))  # rank 1's own shard: its replica on rank 0 must serve
@@ -90,6 +91,7 @@ def test_bad_copies_are_set_aside_and_each_rank_uses_a_verified_one(two_ranks_cr
         assert names == sorted(f"iter_0000009_{owner}_local.pt" for owner in (0, 1))
 
 
+@pytest.mark.compat
 def test_no_verified_copy_anywhere_moves_every_rank_to_the_persistent_checkpoint(two_ranks_crashed, tmp_path):
     """Both copies of both shards are bad, four different ways: a flipped byte, a truncation, an
     unparsable manifest and a manifest for another iteration."""

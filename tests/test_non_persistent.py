@@ -35,6 +35,7 @@ def crashed_after_a_non_persistent_save(tmp_path_factory):
     return root, launch.losses(full.stdout)
 
 
+@pytest.mark.compat
 def test_resume_prefers_the_newer_non_persistent_checkpoint(crashed_after_a_non_persistent_save, tmp_path):
     source, _ = crashed_after_a_non_persistent_save
     root = tmp_path / "ckpt"
@@ -46,6 +47,7 @@ def test_resume_prefers_the_newer_non_persistent_checkpoint(crashed_after_a_non_
     assert sorted(launch.losses(result.stdout)) == [7, 8]
 
 
+@pytest.mark.compat
 def test_a_corrupt_non_persistent_checkpoint_falls_back_to_the_persistent_one(
         crashed_after_a_non_persistent_save, tmp_path):
     source, reference = crashed_after_a_non_persistent_save

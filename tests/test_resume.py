@@ -119,7 +119,10 @@ def _assert_checkpoints_identical(a: Path, b: Path, scratch: Path,
     assert any(k.startswith(("optimizer.", "chained_")) for k in tensors_a)  # chained_<i>.optimizer. with MoE
     assert any("rng_state" in k for k in tensors_a)
     # Every key: weights and Adam moments (torch.equal), and each rank's RNG states (ShardedObjects).
-    different = sorted(k for k in tensors_a if not _same(tensors_a[k], tensors_b[k]))
+    # megatron-core 0.19 keeps the common state (common.pt before) in the shards as "common_state", the
+    # job's own arguments included: compared below, as common.pt is.
+    different = sorted(k for k in tensors_a
+                       if not k.startswith("common_state/") and not _same(tensors_a[k], tensors_b[k]))
     assert not different, f"{len(different)} of {len(tensors_a)} entries differ: {different[:8]}"
 
     # Read as the loader reads it (its allow-list admits Megatron-LM's argparse.Namespace); plain
@@ -211,10 +214,12 @@ def test_tp2_exit_interval_saves_mid_interval_and_exits_cleanly(tp2_job):
     _assert_interrupted_at_k(tp2_job)
 
 
+@pytest.mark.compat
 def test_tp2_interrupted_run_resumes_bit_exact(tp2_job):
     _assert_resumes_bit_exact(tp2_job)
 
 
+@pytest.mark.compat
 def test_tp2_final_checkpoints_are_bitwise_identical(tp2_job, tmp_path):
     _assert_checkpoints_identical(_iter_dir(tp2_job.a_dir, N), _iter_dir(tp2_job.b_dir, N), tmp_path)
 
@@ -225,10 +230,12 @@ def test_dp2_exit_interval_saves_mid_interval_and_exits_cleanly(dp2_job):
     _assert_interrupted_at_k(dp2_job)
 
 
+@pytest.mark.compat
 def test_dp2_with_grad_accumulation_resumes_bit_exact(dp2_job):
     _assert_resumes_bit_exact(dp2_job)
 
 
+@pytest.mark.compat
 def test_dp2_final_checkpoints_are_bitwise_identical(dp2_job, tmp_path):
     _assert_checkpoints_identical(_iter_dir(dp2_job.a_dir, N), _iter_dir(dp2_job.b_dir, N), tmp_path)
 
@@ -308,6 +315,7 @@ def _truncate_newest(root: Path) -> str:
     pytest.param(_tracker_names_12, 8, id="tracker_names_missing_iteration_12"),
     pytest.param(_truncate_newest, 4, id="newest_checkpoint_truncated"),
 ])
+@pytest.mark.compat
 def test_bad_tracker_or_truncated_checkpoint_falls_back_to_newest_complete_one(
         job_dir_with_4_and_8, dp2_job, tmp_path, damage, expected_iteration):
     root = tmp_path / "ckpt"

@@ -187,6 +187,7 @@ def test_time_limit_saves_the_iteration_reached_requeues_and_resumes_from_it(slu
     _assert_resumed_where_it_saved(text, 400)
 
 
+@pytest.mark.compat
 def test_scontrol_requeue_mid_run_saves_and_resumes_once(slurm, tmp_path):
     out, save = tmp_path / "job.out", tmp_path / "ckpt"
     job = _submit(slurm, out, _args(save, 150, *SLOW))

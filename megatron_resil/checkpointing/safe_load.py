@@ -242,18 +242,16 @@ def load_object_item(data, name: str, fqn: str):
 
 
 class CommonLoadWeightsOnly(getattr(core_common, "TorchCommonLoadStrategy", object)):
-    """megatron-core's common.pt reader with weights_only=True stated (its own call leaves it to torch's
-    default, which an environment variable can turn off), through `untrusted`. megatron-core 0.16 takes it
-    as load()'s common_strategy; 0.19 has no such class (nor argument): its load() reads a legacy common.pt
-    through the function `install` replaces, and its own checkpoints keep the common state in the shards."""
+    """megatron-core's common-state reader with weights_only=True stated (its own call leaves it to
+    torch's default, which an environment variable can turn off), through `untrusted`. megatron-core 0.16
+    takes it as load()'s common_strategy; 0.19 has no such class (nor argument). Either lane reads either
+    layout: common.pt (0.16 and Megatron-LM before it) or the "common_state" object inside the torch_dist
+    shards (0.19), so a checkpoint resumes on the lane that did not write it."""
 
     def load_common(self, checkpoint_dir):
         path = os.path.join(str(checkpoint_dir), COMMON_STATE_FNAME)
-        read_from_shards = getattr(core_serialization, "load_common_state_dict", None)
-        if read_from_shards is not None and not os.path.lexists(path):
-            # megatron-core 0.19 writes no common.pt: the common state is the "common_state" object inside
-            # the torch_dist shards, read through DCP, whose byte items go through `load_object_item`.
-            return read_from_shards(str(checkpoint_dir))
+        if not os.path.lexists(path):
+            return read_common_from_shards(str(checkpoint_dir))
         return _read_common_pt(path)
 
     def load_sharded_objects(self, sharded_objects_state_dict, checkpoint_dir):
@@ -263,6 +261,29 @@ class CommonLoadWeightsOnly(getattr(core_common, "TorchCommonLoadStrategy", obje
             with untrusted.open_regular(path, untrusted.MAX_OBJECT_BYTES, "object file") as f:
                 return load_object_item(f, path, sharded_object.key)
         return dict_list_map_inplace(load, sharded_objects_state_dict)
+
+
+# megatron-core 0.19's key for the common state inside the shards: ShardedObject("common_state", None,
+# (1,), (0,)).unique_key, spelled out so megatron-core 0.16 reads it too.
+COMMON_STATE_KEY = "common_state/shard_0_1"
+
+
+def read_common_from_shards(checkpoint_dir: str) -> dict:
+    """The common state megatron-core 0.19 keeps in the shards: one byte item, a torch.save of a
+    one-element list holding the dict. Read through DCP, whose `.metadata` reader and byte items go
+    through the allow-lists `install` puts in place, then unpickled weights-only here."""
+    from torch.distributed import checkpoint as dcp
+
+    state = {COMMON_STATE_KEY: io.BytesIO()}
+    dcp.load(state, storage_reader=filesystem.FileSystemReader(checkpoint_dir), no_dist=True)
+    loaded = state[COMMON_STATE_KEY]
+    if isinstance(loaded, io.BytesIO):
+        loaded.seek(0)
+        loaded = load_weights_only(loaded, f"{checkpoint_dir} (item {COMMON_STATE_KEY})")
+    if not isinstance(loaded, (list, tuple)) or len(loaded) != 1 or not isinstance(loaded[0], dict):
+        raise CheckpointDataError(f"{checkpoint_dir}: item {COMMON_STATE_KEY} is not a common state "
+                                  "(a one-element list holding a dict)")
+    return loaded[0]
 
 
 def _read_common_pt(path: str) -> dict:
