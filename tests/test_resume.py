@@ -35,7 +35,7 @@ try:
 except ImportError:  # pragma: no cover - tests/ on sys.path instead
     import launch
 
-from megatron_resil import exit_codes
+from megatron_resil import exit_codes, patches
 from megatron_resil.checkpointing.safe_load import CommonLoadWeightsOnly
 
 pytestmark = pytest.mark.slow
@@ -113,6 +113,9 @@ _ARGS_THAT_DIFFER = {"save", "load"}
 def _assert_checkpoints_identical(a: Path, b: Path, scratch: Path,
                                   args_that_differ: frozenset = frozenset()) -> None:
     scratch.mkdir(parents=True, exist_ok=True)
+    # As pretrain.py does: megatron-core 0.19's common state is read from the shards through DCP's
+    # readers, which only the torch_dcp patches make safe (read_common_from_shards insists on them).
+    patches.install(quiet=True)
     tensors_a = _dcp_state(a, scratch / "a.pt")
     tensors_b = _dcp_state(b, scratch / "b.pt")
     assert tensors_a.keys() == tensors_b.keys()

@@ -38,11 +38,10 @@ import pickle
 import re
 
 import torch
-from megatron.core.dist_checkpointing import serialization as core_serialization
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
 from megatron.core.dist_checkpointing.strategies import common as core_common
 from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
-from torch.distributed.checkpoint import filesystem
+from torch.distributed.checkpoint import default_planner, filesystem
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from megatron_resil.checkpointing import untrusted
@@ -271,9 +270,14 @@ COMMON_STATE_KEY = "common_state/shard_0_1"
 def read_common_from_shards(checkpoint_dir: str) -> dict:
     """The common state megatron-core 0.19 keeps in the shards: one byte item, a torch.save of a
     one-element list holding the dict. Read through DCP, whose `.metadata` reader and byte items go
-    through the allow-lists `install` puts in place, then unpickled weights-only here."""
+    through the allow-lists the torch_dcp patches put in place (megatron_resil.patches), then unpickled
+    weights-only here."""
     from torch.distributed import checkpoint as dcp
 
+    # Without those patches DCP would unpickle `.metadata` and the byte items with no allow-list.
+    if type(filesystem.pickle).__name__ != "_PickleForMetadata" or \
+            default_planner.DefaultLoadPlanner.load_bytes.__name__ != "_load_bytes_weights_only":
+        raise RuntimeError("read_common_from_shards needs megatron_resil.patches.install() first")
     state = {COMMON_STATE_KEY: io.BytesIO()}
     dcp.load(state, storage_reader=filesystem.FileSystemReader(checkpoint_dir), no_dist=True)
     loaded = state[COMMON_STATE_KEY]
