@@ -114,6 +114,7 @@ def build_datasets(
         reset_attention_mask=False,
         eod_mask_loss=False,
         create_attention_mask=False,
+        mmap_bin_files=getattr(args, "mmap_bin_files", True),  # Megatron-LM's --no-mmap-bin-files
     )
     train_samples, valid_samples = _num_samples(args)
     # Nothing here evaluates on the test split, and an unused split can still fail to build

@@ -12,31 +12,57 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
+from megatron.core.activations import squared_relu
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.module import Float16Module, MegatronModule
-from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlockSubmodules
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import MLATransformerConfig
 
+from megatron_resil.arguments import FLAGS
+from megatron_resil.arguments.flag_table import config_fields, config_kwargs
 from megatron_resil.arguments.model import transformer_engine_available
 
 
 class LocalNorm:
-    """LayerNorm or RMSNorm for the local spec, from torch, with sequence parallelism.
+    """LayerNorm or RMSNorm for the local spec, from torch, with sequence parallelism and Megatron-LM's
+    --apply-layernorm-1p (zero-centered gamma).
 
-    megatron-core's torch-backed norm (WrappedTorchNorm, used without Apex) refuses
-    `sequence_parallel`. Under sequence parallelism each tensor-parallel rank normalises a slice of
-    the sequence, so the norm's weights get partial gradients that must be summed across the
-    tensor-parallel group; marking them `sequence_parallel` is what makes megatron-core's
-    finalize_model_grads do that, as Apex's FusedLayerNorm does."""
+    megatron-core's torch-backed norm (WrappedTorchNorm, used without Apex) refuses both. Under sequence
+    parallelism each tensor-parallel rank normalises a slice of the sequence, so the norm's weights get
+    partial gradients that must be summed across the tensor-parallel group; marking them
+    `sequence_parallel` is what makes megatron-core's finalize_model_grads do that, as Apex's
+    FusedLayerNorm does."""
 
     def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused):
-        norm_class = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
-        norm = norm_class(hidden_size, eps=eps)
+        rms = config.normalization == "RMSNorm"
+        if config.layernorm_zero_centered_gamma:
+            norm = ZeroCenteredNorm(hidden_size, eps, rms)
+        else:
+            norm = (torch.nn.RMSNorm if rms else torch.nn.LayerNorm)(hidden_size, eps=eps)
         for param in norm.parameters():
             param.sequence_parallel = config.sequence_parallel
         return norm
+
+
+class ZeroCenteredNorm(torch.nn.Module):
+    """A norm that learns gamma - 1 (starting at 0) and scales by 1 + gamma, as Apex's and Transformer
+    Engine's zero-centered-gamma norms do: the same parameter names and values as theirs."""
+
+    def __init__(self, hidden_size: int, eps: float, rms: bool) -> None:
+        super().__init__()
+        self.shape, self.eps, self.rms = (hidden_size,), eps, rms
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size))
+        self.bias = None if rms else torch.nn.Parameter(torch.zeros(hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rms:
+            return F.rms_norm(x, self.shape, self.weight + 1, self.eps)
+        return F.layer_norm(x, self.shape, self.weight + 1, self.bias, self.eps)
 
 
 def padded_vocab_size(vocab_size: int, args: argparse.Namespace) -> int:
@@ -78,7 +104,7 @@ def fusions(args: argparse.Namespace, cuda: bool, kernels: FusedKernels) -> dict
                               "masked_softmax_fusion", "persist_layer_norm", "apply_rope_fusion"), False)
     # As Megatron-LM: swiglu's switch for swiglu, gelu's otherwise, and no gelu fusion without a bias.
     bias_activation = args.bias_swiglu_fusion if args.swiglu else \
-        args.bias_gelu_fusion and not args.disable_bias_linear
+        args.bias_gelu_fusion and args.add_bias_linear and not args.squared_relu
     return {
         "gradient_accumulation_fusion": args.gradient_accumulation_fusion and kernels.gradient_accumulation,
         "bias_activation_fusion": bias_activation,
@@ -91,8 +117,18 @@ def fusions(args: argparse.Namespace, cuda: bool, kernels: FusedKernels) -> dict
 
 
 def transformer_config(args: argparse.Namespace) -> TransformerConfig:
-    moe = args.num_experts is not None
-    return TransformerConfig(
+    """megatron-core's config: every table row that goes to it (arguments/*.py, `to=`), as Megatron-LM's
+    core_transformer_config_from_args passes them, plus what is computed from several flags."""
+    config_class = MLATransformerConfig if args.multi_latent_attention else TransformerConfig
+    kwargs = config_kwargs(args, FLAGS, "TransformerConfig")
+    if args.multi_latent_attention:
+        kwargs.update(config_kwargs(args, FLAGS, "MLATransformerConfig"),
+                      rotary_base=args.rotary_base, rotary_percent=args.rotary_percent)
+    if args.num_experts is None:
+        kwargs.update(moe_aux_loss_coeff=0.0)
+    if "fp8_param" in config_fields("TransformerConfig"):
+        kwargs["fp8_param"] = args.fp8_param_gather
+    kwargs.update(
         # megatron-core 0.16's default ("full") is deprecated by itself, with a warning on every rank;
         # the empty list it converts that to means the same (no CUDA graphs are captured here).
         cuda_graph_scope=[],
@@ -102,54 +138,64 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups,
         kv_channels=args.kv_channels,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std,
-        normalization=args.normalization,
         gated_linear_unit=args.swiglu,
-        activation_func=F.silu if args.swiglu else F.gelu,
-        add_bias_linear=not args.disable_bias_linear,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        activation_func=F.silu if args.swiglu else squared_relu if args.squared_relu else F.gelu,
+        attention_backend=AttnBackend[args.attention_backend],
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-        context_parallel_size=args.context_parallel_size,
-        sequence_parallel=args.sequence_parallel,
-        expert_model_parallel_size=args.expert_model_parallel_size,
-        num_moe_experts=args.num_experts,
-        moe_router_topk=args.moe_router_topk,
-        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
-        moe_aux_loss_coeff=args.moe_aux_loss_coeff if moe else 0.0,
-        moe_router_load_balancing_type=args.moe_router_load_balancing_type,
-        moe_grouped_gemm=args.moe_grouped_gemm,
-        fp16=args.fp16,
-        bf16=args.bf16,
         params_dtype=params_dtype(args),
         pipeline_dtype=params_dtype(args),
-        # Two sends to the same peer in one batched p2p call get crossed under the interleaved schedule
-        # with two pipeline ranks (Megatron-LM #750): separate calls keep them in order.
-        batch_p2p_comm=args.virtual_pipeline_model_parallel_size is None,
+        # As Megatron-LM: batched p2p unless the interleaved schedule overlaps it. (Two batched sends to the
+        # same peer get crossed under the interleaved schedule at PP=2, Megatron-LM #750: refused there.)
+        batch_p2p_comm=not args.overlap_p2p_comm,
         use_cpu_initialization=args.use_cpu_initialization,
         **fusions(args, torch.cuda.is_available(), FusedKernels.installed()),
     )
+    return config_class(**kwargs)
 
 
-def layer_spec(args: argparse.Namespace) -> ModuleSpec:
-    if args.transformer_impl == "transformer_engine":
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+_TORCH_NORMS = (WrappedTorchNorm,)
 
-        return get_gpt_layer_with_transformer_engine_spec(args.num_experts, args.moe_grouped_gemm)
-    spec = get_gpt_layer_local_spec(args.num_experts, args.moe_grouped_gemm, normalization=args.normalization)
-    spec.submodules.input_layernorm = LocalNorm
-    spec.submodules.pre_mlp_layernorm = LocalNorm
+
+def _with_local_norms(spec) -> None:
+    """Swap megatron-core's torch norm for LocalNorm wherever the local spec puts one (layers, their query
+    and key norms, multi-token prediction layers); in place, on a spec just built for this model."""
+    subs = spec.submodules
+    for name in ("input_layernorm", "pre_mlp_layernorm", "enorm", "hnorm", "layer_norm"):
+        if getattr(subs, name, None) in _TORCH_NORMS:
+            setattr(subs, name, LocalNorm)
+    attention = getattr(getattr(subs, "self_attention", None), "submodules", None)
+    for name in ("q_layernorm", "k_layernorm", "kv_layernorm"):
+        if getattr(attention, name, None) in _TORCH_NORMS:
+            setattr(attention, name, LocalNorm)
+    if hasattr(subs, "transformer_layer") and hasattr(subs.transformer_layer, "submodules"):
+        _with_local_norms(subs.transformer_layer)
+
+
+def block_spec(args: argparse.Namespace, config: TransformerConfig,
+               vp_stage: int | None) -> TransformerBlockSubmodules:
+    """This stage's layers as Megatron-LM builds them (dense, MoE, or as --moe-layer-freq mixes them; with
+    --qk-layernorm and --multi-latent-attention), from megatron-core's local modules or Transformer
+    Engine's."""
+    use_te = args.transformer_impl == "transformer_engine"
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization=args.normalization,
+                                      vp_stage=vp_stage)
+    if not use_te:
+        for layer in spec.layer_specs:
+            _with_local_norms(layer)
+        spec.layer_norm = LocalNorm
     return spec
 
 
-def _block_spec(args: argparse.Namespace, config: TransformerConfig, vp_stage: int | None):
-    spec = layer_spec(args)
-    if args.transformer_impl == "transformer_engine":
-        return spec  # megatron-core picks TE's final norm itself
-    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=LocalNorm)
+def mtp_block_spec(args: argparse.Namespace, config: TransformerConfig, spec: TransformerBlockSubmodules,
+                   vp_stage: int | None) -> MultiTokenPredictionBlockSubmodules | None:
+    if args.mtp_num_layers is None:
+        return None
+    use_te = args.transformer_impl == "transformer_engine"
+    mtp = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=use_te, vp_stage=vp_stage)
+    if mtp is not None and not use_te:
+        for layer in mtp.layer_specs:
+            _with_local_norms(layer)
+    return mtp
 
 
 def build_model_chunks(args: argparse.Namespace, vocab_size: int) -> list[MegatronModule]:
@@ -159,15 +205,22 @@ def build_model_chunks(args: argparse.Namespace, vocab_size: int) -> list[Megatr
     chunks = []
     for vp_stage in range(virtual_stages or 1):
         stage = vp_stage if virtual_stages else None
+        spec = block_spec(args, config, stage)
         chunk = GPTModel(
             config=config,
-            transformer_layer_spec=_block_spec(args, config, stage),
+            transformer_layer_spec=spec,
+            mtp_block_spec=mtp_block_spec(args, config, spec, stage),
             vocab_size=padded_vocab_size(vocab_size, args),
             max_sequence_length=args.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
             position_embedding_type=args.position_embedding_type,
+            rotary_percent=args.rotary_percent,
+            rotary_base=args.rotary_base,
+            rope_scaling=args.use_rope_scaling,
+            rope_scaling_factor=args.rope_scaling_factor,
+            seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
             vp_stage=stage,
         )
         if torch.cuda.is_available():

@@ -1,12 +1,14 @@
-"""The MoE routers' auxiliary losses, reduced across ranks as Megatron-LM reduces them for its log line
-(`load_balancing_loss: ... |`): megatron-core's routers add each layer's loss to a process-wide tracker
-during the forward passes; after each step every rank reduces it and it is cleared for the next."""
+"""The MoE routers' and multi-token prediction's auxiliary losses, reduced across ranks as Megatron-LM
+reduces them for its log line (`load_balancing_loss: ... |`, `mtp_1 loss: ... |`): megatron-core adds each
+layer's loss to a process-wide tracker during the forward passes; after each step every rank reduces it and
+it is cleared for the next."""
 
 from __future__ import annotations
 
 import argparse
 
 from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
 
 def tracked_names(args: argparse.Namespace) -> list[str]:
@@ -18,18 +20,27 @@ def tracked_names(args: argparse.Namespace) -> list[str]:
         names.append("load_balancing_loss")
     if "seq_aux_loss" in balancing:
         names.append("seq_load_balancing_loss")
+    if "global_aux_loss" in balancing:
+        names.append("global_load_balancing_loss")
+    if args.moe_z_loss_coeff is not None:
+        names.append("z_loss")
     return names
 
 
 def reduce_aux_losses(args: argparse.Namespace) -> dict[str, float]:
     """Collective on every rank after a training step: each tracked loss averaged over the MoE layers
-    and the step's microbatches; {} for a dense model."""
-    if args.num_experts is None or not tracked_names(args):
-        return {}
+    and the step's microbatches, then the multi-token prediction losses; {} for a dense model without
+    multi-token prediction."""
     totals: dict = {}
-    moe_utils.track_moe_metrics(loss_scale=1.0 / args.num_microbatches, iteration=0, total_loss_dict=totals,
-                                force_initialize=True, track_names=tracked_names(args),
-                                num_layers=args.num_layers)
+    if args.num_experts is not None and tracked_names(args):
+        moe_utils.track_moe_metrics(loss_scale=1.0 / args.num_microbatches, iteration=0,
+                                    total_loss_dict=totals, force_initialize=True,
+                                    track_names=tracked_names(args),
+                                    num_layers=args.num_layers, moe_layer_freq=args.moe_layer_freq,
+                                    mtp_num_layers=args.mtp_num_layers)
+        totals = {name: totals[name] for name in tracked_names(args) if name in totals}  # Megatron's order
+    if args.mtp_num_layers is not None:
+        MTPLossLoggingHelper.track_mtp_metrics(1.0 / args.num_microbatches, 0, None, None, totals)
     return {name: float(value) for name, value in totals.items()}
 
 

@@ -21,18 +21,23 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import get_model_config
 
+from megatron_resil.arguments import FLAGS
+from megatron_resil.arguments.flag_table import config_fields, config_kwargs
+
 
 def ddp_config(args: argparse.Namespace) -> DistributedDataParallelConfig:
+    """The table rows that go to it (overlaps, bucket size, optimizer instances), and the rest."""
+    extra = {"fp8_param_gather": args.fp8_param_gather} \
+        if "fp8_param_gather" in config_fields("DistributedDataParallelConfig") else {}
     return DistributedDataParallelConfig(
+        **config_kwargs(args, FLAGS, "DistributedDataParallelConfig"),
+        # Under --bf16 true unless --grad-reduce-in-bf16, as Megatron-LM decides (arguments/distributed.py).
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
-        overlap_grad_reduce=args.overlap_grad_reduce,
-        overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
         # Megatron-LM's check of each rank's gradients before they are reduced, through the rerun state
         # machine (rerun.py turns it off while the post-load canary watches).
         check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
-        bucket_size=args.ddp_bucket_size,
-        average_in_collective=args.ddp_average_in_collective,
+        **extra,
     )
 
 
@@ -45,32 +50,27 @@ def wrap_in_ddp(chunks: list[MegatronModule], args: argparse.Namespace) -> list[
             for index, chunk in enumerate(chunks)]
 
 
-def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
+def optimizer_config(args: argparse.Namespace, timers=None) -> OptimizerConfig:
+    """The table rows that go to it (learning rates, Adam's and SGD's settings, loss scaling, counting the
+    zeros in the gradients), and the rest."""
     return OptimizerConfig(
-        optimizer="adam",
-        lr=args.lr,
-        min_lr=args.min_lr,
-        weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2,
-        adam_eps=args.adam_eps,
-        clip_grad=args.clip_grad,
+        **config_kwargs(args, FLAGS, "OptimizerConfig"),
+        optimizer=args.optimizer,
         bf16=args.bf16,
         fp16=args.fp16,
         params_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32,
-        loss_scale=args.loss_scale,
-        initial_loss_scale=args.initial_loss_scale,
-        min_loss_scale=args.min_loss_scale,
-        loss_scale_window=args.loss_scale_window,
-        hysteresis=args.hysteresis,
         use_distributed_optimizer=args.use_distributed_optimizer,
         overlap_param_gather=args.overlap_param_gather,
+        timers=timers,
     )
 
 
-def build_optimizer(chunks: list[DistributedDataParallel], args: argparse.Namespace) -> MegatronOptimizer:
-    """megatron-core's optimizer for the chunks, and the schedules' hooks set as Megatron-LM sets them."""
-    optimizer = get_megatron_optimizer(optimizer_config(args), chunks)
+def build_optimizer(chunks: list[DistributedDataParallel], args: argparse.Namespace,
+                    timers=None) -> MegatronOptimizer:
+    """megatron-core's optimizer for the chunks, and the schedules' hooks set as Megatron-LM sets them;
+    `timers`: megatron-core's Timers that time its steps (--timing-log-level), or None."""
+    optimizer = get_megatron_optimizer(optimizer_config(args, timers), chunks,
+                                       use_gloo_process_groups=args.use_gloo_process_groups)
     config = get_model_config(chunks[0])
     one_or_list = (lambda fns: fns[0]) if len(chunks) == 1 else list
     config.no_sync_func = one_or_list([chunk.no_sync for chunk in chunks])
@@ -118,15 +118,20 @@ def learning_rate(optimizer: MegatronOptimizer) -> float:
 
 
 def build_scheduler(optimizer: MegatronOptimizer, args: argparse.Namespace) -> OptimizerParamScheduler:
-    """Megatron's scheduler, stepped in samples as Megatron-LM does for iteration-based runs."""
+    """Megatron's scheduler, stepped in samples as Megatron-LM does for iteration-based runs. On resume it
+    takes the schedule from the checkpoint (megatron-core's default), or from the command line with
+    --override-opt_param-scheduler."""
     gbs = args.global_batch_size
+    decay_steps = args.lr_decay_iters * gbs
+    warmup_steps = args.lr_warmup_iters * gbs if args.lr_warmup_fraction is None \
+        else args.lr_warmup_fraction * decay_steps  # as Megatron-LM: a fraction of the decay, in samples
     return OptimizerParamScheduler(
         optimizer,
         init_lr=args.lr_warmup_init,
         max_lr=args.lr,
         min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * gbs,
-        lr_decay_steps=args.lr_decay_iters * gbs,
+        lr_warmup_steps=warmup_steps,
+        lr_decay_steps=decay_steps,
         lr_decay_style=args.lr_decay_style,
         start_wd=args.weight_decay,
         end_wd=args.weight_decay,
@@ -134,4 +139,6 @@ def build_scheduler(optimizer: MegatronOptimizer, args: argparse.Namespace) -> O
         wd_incr_style="constant",
         wsd_decay_steps=(args.lr_wsd_decay_iters * gbs) if args.lr_wsd_decay_iters else None,
         lr_wsd_decay_style=args.lr_wsd_decay_style,
+        use_checkpoint_opt_param_scheduler=not args.override_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
     )

@@ -1,13 +1,34 @@
-"""Megatron-format training and validation log lines, plus tokens/s and optional TensorBoard."""
+"""Megatron-format training and validation logs: the iteration line (with Megatron-LM's optional fields:
+throughput, num zeros, params norm), its timers (--timing-log-level), TensorBoard scalars under
+Megatron-LM's names, and Weights & Biases; plus tokens/s (ours) at the end of the line."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 from datetime import datetime
 
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+from megatron.core.timers import Timers
+from megatron.core.transformer.module import param_is_not_shared
+
 from megatron_resil import events, parallel
+
+# Megatron-LM's timers per --timing-log-level (megatron-core's schedules, DDP and optimizer time them too).
+TIMERS = {1: ["forward-backward", "layernorm-grads-all-reduce", "embedding-grads-all-reduce",
+              "all-grads-sync", "params-all-gather", "optimizer-copy-to-main-grad",
+              "optimizer-unscale-and-check-inf",
+              "optimizer-clip-main-grad", "optimizer-count-zeros", "optimizer-inner-step",
+              "optimizer-copy-main-to-model-params", "optimizer"],
+          2: ["batch-generator", "forward-compute", "backward-compute", "forward-recv", "forward-send",
+              "backward-recv", "backward-send", "forward-send-forward-recv", "forward-send-backward-recv",
+              "backward-send-forward-recv", "backward-send-backward-recv",
+              "forward-backward-send-forward-backward-recv"]}
 
 
 def json_safe(value: float) -> float | str:
@@ -16,17 +37,145 @@ def json_safe(value: float) -> float | str:
     return value if math.isfinite(value) else str(value)
 
 
-class TrainLogger:
+def timers_for(args: argparse.Namespace) -> Timers | None:
+    """megatron-core's timers at --timing-log-level (None at level 0: the iteration time is ours)."""
+    return Timers(args.timing_log_level, args.timing_log_option) if args.timing_log_level > 0 else None
+
+
+def params_l2_norm(chunks: list, bf16: bool) -> float:
+    """Megatron-LM's calc_params_l2_norm: every weight counted once (tensor-parallel copies and shared
+    embeddings skipped), the distributed optimizer's fp32 shards where they exist under bf16, summed over
+    the data-parallel ranks for those shards and over the model-parallel ranks (experts over theirs).
+    Collective on every rank."""
+    dense, dense_sharded, expert, expert_sharded = [], [], [], []
+    for chunk in chunks:
+        for param in chunk.parameters():
+            if not param_is_not_tensor_parallel_duplicate(param):
+                continue
+            is_expert = not getattr(param, "allreduce", True)
+            if not is_expert and not param_is_not_shared(param):
+                continue
+            data, sharded = param.data.float(), False
+            if bf16 and hasattr(param, "main_param"):
+                sharded = getattr(param, "main_param_sharded", False)
+                data = param.main_param
+                if data is None:
+                    continue
+            ((expert_sharded if sharded else expert) if is_expert else
+             (dense_sharded if sharded else dense)).append(data)
+
+    def norm_2(tensors: list) -> torch.Tensor:
+        total = torch.zeros(1, dtype=torch.float32, device=parallel.device())
+        for tensor in tensors:
+            total += tensor.float().pow(2).sum()
+        return total
+
+    dense_2, expert_2 = norm_2(dense), norm_2(expert)
+    sharded_2, expert_sharded_2 = norm_2(dense_sharded), norm_2(expert_sharded)
+    dist.all_reduce(sharded_2, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+    dist.all_reduce(expert_sharded_2, group=parallel_state.get_expert_data_parallel_group())
+    dense_2 += sharded_2
+    expert_2 += expert_sharded_2
+    dense_group = parallel_state.get_model_parallel_group()
+    expert_group = parallel_state.get_expert_tensor_model_pipeline_parallel_group()
+    if dist.get_process_group_ranks(dense_group) == dist.get_process_group_ranks(expert_group):
+        dense_2 += expert_2
+        dist.all_reduce(dense_2, group=dense_group)
+    else:
+        dist.all_reduce(dense_2, group=dense_group)
+        dist.all_reduce(expert_2, group=expert_group)
+        dense_2 += expert_2
+    return float(dense_2.item()) ** 0.5
+
+
+def floating_point_operations(args: argparse.Namespace, batch_size: int) -> float:
+    """Megatron-LM's num_floating_point_operations for one global batch (forward and backward) of the models
+    built here: dense or MoE layers, grouped-query or multi-latent attention, multi-token prediction."""
+    tokens = batch_size * args.seq_length
+    if args.num_experts is None:
+        dense_layers, moe_layers, routed, last_is_moe = args.num_layers, 0, 0, 0
+    else:
+        pattern = args.moe_layer_freq if isinstance(args.moe_layer_freq, list) else \
+            [1 if i % args.moe_layer_freq == 0 else 0 for i in range(args.num_layers)]
+        moe_layers = sum(pattern)
+        dense_layers, routed, last_is_moe = args.num_layers - moe_layers, args.moe_router_topk, pattern[-1]
+    mtp = args.mtp_num_layers or 0
+    moe_layers += last_is_moe * mtp
+    dense_layers += (1 - last_is_moe) * mtp
+    layers = args.num_layers + mtp
+    moe_ffn = args.moe_ffn_hidden_size if args.moe_ffn_hidden_size is not None else args.ffn_hidden_size
+    shared_ffn = args.moe_shared_expert_intermediate_size or 0
+    fwd_bwd, fma = 3, 2
+    ffn_expansion = 3 if args.swiglu else 2
+    h, heads = args.hidden_size, args.num_attention_heads
+    if args.multi_latent_attention:
+        qk = args.qk_head_dim + args.qk_pos_emb_head_dim
+        q_term = h * heads * qk if args.q_lora_rank is None else args.q_lora_rank * (h + heads * qk + 1)
+        kv_term = args.kv_lora_rank * (h + heads * (args.qk_head_dim + args.v_head_dim) + 1)
+        attention = fwd_bwd * fma * (q_term + kv_term
+                                     + h * args.qk_pos_emb_head_dim + heads * args.v_head_dim * h)
+        attention_core = fwd_bwd * fma * (heads * qk / 2 + heads * args.v_head_dim / 2)
+    else:
+        query = args.kv_channels * heads
+        key_value = 2 * args.kv_channels * args.num_query_groups
+        gate = query if args.attention_output_gate else 0
+        attention = fwd_bwd * fma * (h * (query + key_value + gate) + query * h)
+        attention_core = fwd_bwd * fma * query / 2 * 2
+    return (tokens * (fwd_bwd * fma * h * (args.ffn_hidden_size * ffn_expansion * dense_layers
+                                           + moe_ffn * routed * ffn_expansion * moe_layers
+                                           + shared_ffn * ffn_expansion * moe_layers)
+                      + attention * layers
+                      + fwd_bwd * fma * mtp * (3 * h + 2 * h * h)
+                      + fwd_bwd * fma * h * args.padded_vocab_size * (mtp + 1))
+            + batch_size * args.seq_length * args.seq_length * attention_core * layers)
+
+
+class _Writers:
+    """TensorBoard and Weights & Biases on rank 0 (where the iteration line is printed), or neither."""
+
     def __init__(self, args: argparse.Namespace) -> None:
+        self.tensorboard = self.wandb = None
+        if not parallel.is_rank0():
+            return
+        if args.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(log_dir=args.tensorboard_dir,
+                                             max_queue=args.tensorboard_queue_size)
+        if args.wandb_project:
+            import wandb
+
+            save_dir = args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else None)
+            self.wandb = wandb.init(project=args.wandb_project, name=args.wandb_exp_name,
+                                    entity=args.wandb_entity, dir=save_dir, config=vars(args))
+
+    def scalar(self, name: str, value: float, iteration: int, samples: int | None = None) -> None:
+        """`name` at the iteration, and `name vs samples` at the consumed samples, as Megatron-LM writes."""
+        if self.tensorboard is not None:
+            self.tensorboard.add_scalar(name, value, iteration)
+            if samples is not None:
+                self.tensorboard.add_scalar(f"{name} vs samples", value, samples)
+        if self.wandb is not None:
+            self.wandb.log({name: value}, step=iteration)
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+class TrainLogger:
+    def __init__(self, args: argparse.Namespace, timers: Timers | None = None) -> None:
         self.args = args
+        self.timers = timers
         self.skipped_in_interval = 0  # steps the fp16 loss scaler skipped since the last log line
         self.interval_start = time.perf_counter()
         self.iterations_in_interval = 0
-        self.writer = None
-        if args.tensorboard_dir and parallel.is_rank0():
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=100)
+        self.writers = _Writers(args)
+        self.memory = args.log_memory_to_tensorboard and torch.cuda.is_available()
+        self.timer_names = [name for level in (1, 2) if args.timing_log_level >= level
+                            for name in TIMERS[level]]
 
     def restart_interval(self) -> None:
         """Time spent in eval or checkpointing is not charged to training iterations."""
@@ -34,49 +183,98 @@ class TrainLogger:
         self.iterations_in_interval = 0
 
     def training_step(self, iteration: int, consumed_samples: int, lr: float, report) -> None:
-        """`report`: training.StepReport (loss, grad norm, MoE auxiliary losses, loss scale)."""
-        loss, grad_norm = report.loss, report.grad_norm
+        """`report`: training.StepReport (loss, grad norm, auxiliary losses, loss scale, zeros in the
+        gradients, weights' norm)."""
+        args, loss, grad_norm = self.args, report.loss, report.grad_norm
         self.iterations_in_interval += 1
         self.skipped_in_interval += 0 if report.updated else 1
-        if self.writer is not None and iteration % self.args.tensorboard_log_interval == 0:
-            self.writer.add_scalar("lm loss", loss, iteration)
-            self.writer.add_scalar("learning-rate", lr, iteration)
-            self.writer.add_scalar("grad-norm", grad_norm, iteration)
-        if iteration % self.args.log_interval:
+        if iteration % args.tensorboard_log_interval == 0:
+            self._scalars(iteration, consumed_samples, lr, report)
+        if iteration % args.log_interval:
             return
         elapsed = time.perf_counter() - self.interval_start
-        per_iter_ms = 1000.0 * elapsed / max(self.iterations_in_interval, 1)
-        tokens_per_s = (self.args.global_batch_size * self.args.seq_length * self.iterations_in_interval
-                        / max(elapsed, 1e-9))
+        per_iteration = elapsed / max(self.iterations_in_interval, 1)
+        tokens = args.global_batch_size * args.seq_length * self.iterations_in_interval
+        tokens_per_s = tokens / max(elapsed, 1e-9)
         line = (f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}]"
-                f" iteration {iteration:8d}/{self.args.train_iters:8d} |"
+                f" iteration {iteration:8d}/{args.train_iters:8d} |"
                 f" consumed samples: {consumed_samples:12d} |"
-                f" elapsed time per iteration (ms): {per_iter_ms:.1f} |"
-                f" learning rate: {lr:.6E} |"
-                f" global batch size: {self.args.global_batch_size:5d} |"
-                f" lm loss: {loss:.6E} |"
-                + "".join(f" {name}: {value:.6E} |" for name, value in report.moe_losses.items())
-                + f" loss scale: {report.loss_scale:.1f} |"
-                f" grad norm: {grad_norm:.3f} |"
-                f" number of skipped iterations: {self.skipped_in_interval:3d} |"
-                f" tokens per second: {tokens_per_s:.1f} |")
+                f" elapsed time per iteration (ms): {1000.0 * per_iteration:.1f} |")
+        if args.log_timers_to_tensorboard:
+            self.writers.scalar("iteration-time", per_iteration, iteration)
+        if args.log_throughput:
+            throughput = floating_point_operations(args, args.global_batch_size) / (
+                max(per_iteration, 1e-9) * 10**12 * args.world_size)
+            line += f" throughput per GPU (TFLOP/s/GPU): {throughput:.1f} |"
+            if args.log_timers_to_tensorboard:
+                self.writers.scalar("throughput", throughput, iteration)
+        line += (f" learning rate: {lr:.6E} |"
+                 f" global batch size: {args.global_batch_size:5d} |"
+                 f" lm loss: {loss:.6E} |"
+                 + "".join(f" {name}: {value:.6E} |" for name, value in report.moe_losses.items())
+                 + f" loss scale: {report.loss_scale:.1f} |"
+                 f" grad norm: {grad_norm:.3f} |")
+        if report.num_zeros is not None:
+            line += f" num zeros: {report.num_zeros} |"
+        if report.params_norm is not None:
+            line += f" params norm: {report.params_norm:.3f} |"
+        line += (f" number of skipped iterations: {self.skipped_in_interval:3d} |"
+                 f" tokens per second: {tokens_per_s:.1f} |")
         if parallel.is_rank0():
             print(line, flush=True)
+        self._log_timers(iteration)
         # The run timeline (tools/timeline.py) plots these against wall time: one short line per interval.
         events.record("progress", iteration=iteration, loss=json_safe(loss), grad_norm=json_safe(grad_norm))
         self.restart_interval()
         self.skipped_in_interval = 0
 
-    def validation(self, iteration: int, loss: float) -> None:
+    def _scalars(self, iteration: int, samples: int, lr: float, report) -> None:
+        """Megatron-LM's TensorBoard scalars of a step, under its names."""
+        args, write = self.args, self.writers.scalar
+        write("learning-rate", lr, iteration, samples)
+        write("batch-size", args.global_batch_size, iteration, samples)
+        write("lm loss", report.loss, iteration, samples)
+        for name, value in report.moe_losses.items():
+            write(name, value, iteration)
+        if args.log_loss_scale_to_tensorboard:
+            write("loss-scale", report.loss_scale, iteration, samples)
+        if args.log_world_size_to_tensorboard:
+            write("world-size", args.world_size, iteration, samples)
+        write("grad-norm", report.grad_norm, iteration, samples)
+        if report.num_zeros is not None:
+            write("num-zeros", report.num_zeros, iteration, samples)
+        if report.params_norm is not None:
+            write("params-norm", report.params_norm, iteration, samples)
+        if self.memory:
+            stats = torch.cuda.memory_stats()
+            write("mem-reserved-bytes", stats["reserved_bytes.all.current"], iteration)
+            write("mem-allocated-bytes", stats["allocated_bytes.all.current"], iteration)
+            write("mem-max-allocated-bytes", stats["allocated_bytes.all.peak"], iteration)
+            write("mem-allocated-count", stats["allocation.all.current"], iteration)
+
+    def _log_timers(self, iteration: int) -> None:
+        """Megatron-LM's timer block (min and max over ranks, ms per iteration). Collective: every rank."""
+        if self.timers is None or not self.timer_names:
+            return
+        interval = self.args.log_interval
+        if self.args.log_timers_to_tensorboard:
+            self.timers.write(self.timer_names, self.writers.tensorboard, iteration, normalizer=interval,
+                              reset=False)
+        text = self.timers.get_all_timers_string(self.timer_names, normalizer=interval, reset=True,
+                                                 barrier=False)
+        if text and parallel.is_rank0():
+            print(text, flush=True)
+
+    def validation(self, iteration: int, loss: float, consumed_samples: int | None = None) -> None:
         ppl = math.exp(min(20.0, loss))
         text = (f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} |"
                 f" lm loss PPL: {ppl:.6E} | ")
-        if self.writer is not None:
-            self.writer.add_scalar("lm loss validation", loss, iteration)
+        self.writers.scalar("lm loss validation", loss, iteration, consumed_samples)
+        if self.args.log_validation_ppl_to_tensorboard:
+            self.writers.scalar("lm loss validation ppl", ppl, iteration, consumed_samples)
         if parallel.is_rank0():
             bar = "-" * len(text)
             print(f"{bar}\n{text}\n{bar}", flush=True)
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        self.writers.close()

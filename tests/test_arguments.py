@@ -166,8 +166,6 @@ BAD = {c.id: c for c in [
     Case("world-not-divisible-by-tp-x-pp", set_={"--tensor-model-parallel-size": "2",
                                                  "--pipeline-model-parallel-size": "2"}, world_size=6,
          names=("world size 6", "--tensor-model-parallel-size 2", "--pipeline-model-parallel-size 2")),
-    Case("sequence-parallel-without-tp", extra=("--sequence-parallel",),
-         names=("--sequence-parallel", "--tensor-model-parallel-size")),
     Case("context-parallel-on-cpu", set_={"--context-parallel-size": "2"}, world_size=2,
          names=("--context-parallel-size",),
          marks=pytest.mark.skipif(CUDA, reason="CUDA is present")),
@@ -187,9 +185,6 @@ BAD = {c.id: c for c in [
     Case("moe-with-bias", set_={"--num-experts": "4"}, names=("--num-experts", "--disable-bias-linear")),
     Case("moe-topk-above-experts", set_={"--num-experts": "2", "--moe-router-topk": "3"},
          extra=("--disable-bias-linear",), names=("--moe-router-topk 3", "--num-experts 2")),
-    Case("moe-grouped-gemm-on-cpu", set_={"--num-experts": "2"},
-         extra=("--disable-bias-linear", "--moe-grouped-gemm"), names=("--moe-grouped-gemm",),
-         marks=pytest.mark.skipif(CUDA, reason="CUDA is present")),
     Case("loss-scale-not-positive", set_={"--loss-scale": "0"}, extra=("--fp16",), names=("--loss-scale",)),
     Case("save-retain-interval-without-save", drop=("--save",), set_={"--save-retain-interval": "5"},
          names=("--save-retain-interval", "--save")),
@@ -402,7 +397,8 @@ def test_context_parallel_needs_a_sequence_that_splits_into_twice_as_many_chunks
     from megatron_resil.arguments.errors import ArgumentError
     monkeypatch.setattr(distributed, "cuda_available", lambda: True)
     args = argparse.Namespace(tensor_model_parallel_size=1, sequence_parallel=False, context_parallel_size=2,
-                              transformer_impl="transformer_engine", seq_length=30)
+                              transformer_impl="transformer_engine", seq_length=30, cp_comm_type=["p2p"],
+                              hierarchical_context_parallel_sizes=None)
     with pytest.raises(ArgumentError, match="--seq-length 30 divisible by 4"):
         distributed._validate_sequence_and_context(args)
     args.seq_length = 32

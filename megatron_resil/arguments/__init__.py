@@ -13,11 +13,14 @@ import sys
 from collections.abc import Sequence
 
 from megatron_resil.arguments import (
+    checkpoint_options,
     checkpointing,
     data,
     distributed,
     fault_injection,
     fault_tolerance,
+    flag_table,
+    gpu_features,
     inprocess,
     logging_args,
     mixed_precision,
@@ -28,11 +31,14 @@ from megatron_resil.arguments import (
     straggler,
     training,
 )
+from megatron_resil.arguments.device import cuda_available
 from megatron_resil.arguments.errors import ArgumentError
 
 # Order matters only for --help readability; validation order follows dependencies.
-_GROUPS = (model, mixed_precision, moe, training, data, distributed, checkpointing, signals, fault_injection,
-           fault_tolerance, inprocess, logging_args, straggler, rerun)
+_GROUPS = (model, mixed_precision, moe, training, data, distributed, checkpointing, checkpoint_options,
+           signals, fault_injection, fault_tolerance, inprocess, logging_args, straggler, rerun, gpu_features)
+# Every table row of Megatron-LM's flags (flag_table.Flag), from the concerns that declare theirs in one.
+FLAGS = tuple(flag for group in _GROUPS for flag in getattr(group, "FLAGS", ()))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -72,11 +78,14 @@ def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None)
     args = parser.parse_args(argv)
     try:
         world_size = world_size_from_env() if world_size is None else world_size
+        flag_table.screen(args, FLAGS, cuda_available())
         for group in _GROUPS:
             group.validate(args, world_size)
     except ArgumentError as err:
+        flag_table.flush_warnings(print_them=False)
         parser.error(str(err))
+    flag_table.flush_warnings(print_them=True)
     return args
 
 
-__all__ = ["ArgumentError", "build_parser", "parse_args"]
+__all__ = ["FLAGS", "ArgumentError", "build_parser", "parse_args"]

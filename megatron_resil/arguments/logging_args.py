@@ -1,4 +1,5 @@
-"""Logging flags (Megatron-LM names)."""
+"""Logging flags (Megatron-LM names, defaults and meanings): the iteration line, timers, TensorBoard and
+Weights & Biases (train_log.py writes them)."""
 
 from __future__ import annotations
 
@@ -7,21 +8,50 @@ import importlib.util
 import os
 
 from megatron_resil.arguments.errors import ArgumentError
+from megatron_resil.arguments.flag_table import Flag, add_flags
+
+FLAGS = (
+    Flag("--log-interval", 100, int, "print the iteration line every N iterations"),
+    Flag("--log-params-norm", help="compute the weights' L2 norm each step; log it as 'params norm'"),
+    Flag("--log-num-zeros-in-grad", to="OptimizerConfig",
+         help="count the zeros in the gradients each step; log them as 'num zeros'"),
+    Flag("--log-throughput", help="log the model FLOPs each GPU (rank) achieves, in TFLOP/s"),
+    Flag("--timing-log-level", 0, int, choices=(0, 1, 2),
+         help="0: iteration time only; 1: also forward-backward, optimizer and gradient-sync times; "
+              "2: also each microbatch's compute and pipeline communication (Megatron-LM's timers)"),
+    Flag("--timing-log-option", "minmax", str, choices=("max", "minmax", "all"),
+         help="which ranks' timer values are printed: the slowest, the fastest and slowest, or all"),
+    Flag("--logging-level", None, int, "Python logging level (10 debug, 20 info, 30 warning, ...)"),
+    Flag("--tensorboard-dir", None, str),
+    Flag("--tensorboard-log-interval", 1, int),
+    Flag("--tensorboard-queue-size", 1000, int, "events TensorBoard queues before it writes them"),
+    Flag("--log-timers-to-tensorboard", help="write the timers (iteration time, --timing-log-level's) to "
+                                             "TensorBoard"),
+    Flag("--log-memory-to-tensorboard", gpu="only writes CUDA memory statistics",
+         help="write CUDA memory statistics to TensorBoard"),
+    Flag("--log-validation-ppl-to-tensorboard", help="write validation perplexity to TensorBoard"),
+    Flag("--no-log-loss-scale-to-tensorboard", True, help="do not write the loss scale to TensorBoard"),
+    Flag("--log-world-size-to-tensorboard", help="write the world size to TensorBoard"),
+    Flag("--wandb-project", None, str, "Weights & Biases project: log there too (rank 0 of the last stage)"),
+    Flag("--wandb-exp-name", None, str, "the run's name in Weights & Biases"),
+    Flag("--wandb-entity", None, str, "the Weights & Biases team or user"),
+    Flag("--wandb-save-dir", None, str, "where Weights & Biases keeps its files (default: <save>/wandb)"),
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("logging")
-    g.add_argument("--log-interval", type=int, default=100)
-    g.add_argument("--tensorboard-dir", default=None)
-    g.add_argument("--tensorboard-log-interval", type=int, default=1)
+    add_flags(parser, "logging", FLAGS)
 
 
 def validate(args: argparse.Namespace, world_size: int) -> None:
-    if args.log_interval <= 0:
-        raise ArgumentError("--log-interval must be positive")
+    for flag in ("log_interval", "tensorboard_log_interval", "tensorboard_queue_size"):
+        if getattr(args, flag) <= 0:
+            raise ArgumentError(f"--{flag.replace('_', '-')} must be positive")
     if args.tensorboard_dir is not None and os.path.isfile(args.tensorboard_dir):
         raise ArgumentError(f"--tensorboard-dir {args.tensorboard_dir} is a file; give a directory")
     if args.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
         raise ArgumentError("--tensorboard-dir needs the tensorboard package: pip install -e .[tensorboard]")
-    if args.tensorboard_log_interval <= 0:
-        raise ArgumentError("--tensorboard-log-interval must be positive")
+    if args.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ArgumentError("--wandb-project needs the wandb package: pip install wandb")
+    if args.wandb_project == "":
+        args.wandb_project = None  # Megatron-LM: an empty project means no Weights & Biases

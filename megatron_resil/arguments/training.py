@@ -1,41 +1,81 @@
-"""Batch sizes, iterations, optimizer and learning-rate schedule flags (Megatron-LM names)."""
+"""Batch sizes, iterations, optimizer, learning-rate schedule and loop housekeeping flags (Megatron-LM
+names and defaults)."""
 
 from __future__ import annotations
 
 import argparse
 
 from megatron_resil.arguments.errors import ArgumentError
+from megatron_resil.arguments.flag_table import Flag, add_flags
+
+OC = "OptimizerConfig"
+SAMPLES = "sample-based training is not supported yet; give the run in iterations ({})"
+NOT_HERE = "not supported here (see README, 'Flags of Megatron-LM that are not here')"
+
+FLAGS = (
+    Flag("--micro-batch-size", None, int),
+    Flag("--global-batch-size", None, int, "default: micro batch size x data-parallel size"),
+    Flag("--train-iters", None, int),
+    Flag("--train-samples", None, int, refuse=SAMPLES.format("--train-iters")),
+    Flag("--step-batch-size-schedule", None, str, refuse="batch-size schedules are not supported yet; "
+         "train with a fixed --global-batch-size"),
+    Flag("--eval-interval", 1000, int),
+    Flag("--eval-iters", 100, int),
+    Flag("--eval-global-batch-size", None, int, refuse="not supported yet: evaluation uses "
+         "--global-batch-size"),
+    Flag("--exit-interval", None, int, "save and exit when the iteration number is a multiple of this"),
+    Flag("--exit-duration-in-mins", None, float, "save and exit after this many minutes of training"),
+    Flag("--seed", 1234, int),
+    Flag("--optimizer", "adam", str, choices=("adam", "sgd", "muon", "dist_muon", "lion", "soap",
+                                              "adaptive_muon"),
+         help="adam or sgd (Megatron-LM's emerging optimizers are not supported here)"),
+    Flag("--lr", None, float, to=OC),
+    Flag("--min-lr", 0.0, float, to=OC),
+    Flag("--decoupled-lr", None, float, "learning rate of the input and output layers (default: --lr)",
+         to=OC),
+    Flag("--decoupled-min-lr", None, float, "minimum learning rate of the input and output layers", to=OC),
+    Flag("--lr-decay-style", "linear", str, choices=("constant", "linear", "cosine", "inverse-square-root",
+                                                     "WSD")),
+    Flag("--lr-decay-iters", None, int, "default: --train-iters"),
+    Flag("--lr-decay-samples", None, int, refuse=SAMPLES.format("--lr-decay-iters")),
+    Flag("--lr-warmup-iters", 0, int),
+    Flag("--lr-warmup-fraction", None, float, "warm up over this fraction of --lr-decay-iters"),
+    Flag("--lr-warmup-samples", 0, int, refuse=SAMPLES.format("--lr-warmup-iters or --lr-warmup-fraction")),
+    Flag("--lr-warmup-init", 0.0, float),
+    Flag("--lr-wsd-decay-iters", None, int),
+    Flag("--lr-wsd-decay-style", "exponential", str, choices=("exponential", "linear", "cosine")),
+    Flag("--use-checkpoint-opt_param-scheduler", dest="use_checkpoint_opt_param_scheduler",
+         help="on resume, take the schedule (learning rates, warmup, decay) from the checkpoint"),
+    Flag("--override-opt_param-scheduler", dest="override_opt_param_scheduler",
+         help="on resume, take the schedule from the command line, not from the checkpoint"),
+    Flag("--weight-decay", 0.01, float, to=OC),
+    Flag("--apply-wd-to-qk-layernorm", to=OC, help="apply weight decay to the query and key norms too"),
+    Flag("--clip-grad", 1.0, float, to=OC),
+    Flag("--adam-beta1", 0.9, float, to=OC),
+    Flag("--adam-beta2", 0.999, float, to=OC),
+    Flag("--adam-eps", 1e-8, float, to=OC),
+    Flag("--sgd-momentum", 0.9, float, "momentum of --optimizer sgd", to=OC),
+    *(Flag(name, default, type_, refuse=NOT_HERE) for name, default, type_ in (
+        ("--muon-momentum", 0.9, float), ("--muon-extra-scale-factor", 1.0, float),
+        ("--muon-scale-mode", "spectral", str))),
+    Flag("--no-use-layer-wise-param-layout", True,
+         help="used by Megatron-LM's emerging optimizers only (not supported here): changes nothing"),
+    # Loop housekeeping
+    Flag("--manual-gc", help="turn off Python's automatic garbage collection; collect every "
+                             "--manual-gc-interval iterations, and around evaluation and checkpoints"),
+    Flag("--manual-gc-interval", 0, int, "with --manual-gc: collect every N iterations (0: only around "
+                                         "evaluation and checkpoints)"),
+    Flag("--no-manual-gc-eval", True, dest="manual_gc_eval",
+         help="with --manual-gc: do not collect before and after evaluation"),
+    Flag("--check-weight-hash-across-dp-replicas-interval", None, int,
+         "every N iterations, compare a hash of the weights across data-parallel replicas; a mismatch "
+         "stops the run (exit 1), as in Megatron-LM"),
+    Flag("--test-mode", to="TransformerConfig", help="Megatron-LM's real-time tests alongside training"),
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, default=None)
-    g.add_argument("--global-batch-size", type=int, default=None,
-                   help="default: micro batch size x data-parallel size")
-    g.add_argument("--train-iters", type=int, default=None)
-    g.add_argument("--eval-interval", type=int, default=1000)
-    g.add_argument("--eval-iters", type=int, default=100)
-    g.add_argument("--exit-interval", type=int, default=None,
-                   help="save and exit when the iteration number is a multiple of this")
-    g.add_argument("--exit-duration-in-mins", type=float, default=None,
-                   help="save and exit after this many minutes of training")
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--optimizer", choices=["adam"], default="adam")
-    g.add_argument("--lr", type=float, default=None)
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", default="linear",
-                   choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
-    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--lr-warmup-init", type=float, default=0.0)
-    g.add_argument("--lr-wsd-decay-iters", type=int, default=None)
-    g.add_argument("--lr-wsd-decay-style", default="exponential",
-                   choices=["exponential", "linear", "cosine"])
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
+    add_flags(parser, "training", FLAGS)
 
 
 def validate(args: argparse.Namespace, world_size: int) -> None:
@@ -47,16 +87,30 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         raise ArgumentError("--micro-batch-size is required")
     if args.micro_batch_size <= 0:
         raise ArgumentError("--micro-batch-size must be positive")
+    if args.optimizer not in ("adam", "sgd"):
+        raise ArgumentError(f"--optimizer {args.optimizer}: Megatron-LM's emerging optimizers are not "
+                            "supported here; use adam or sgd")
     if args.lr is None:
         raise ArgumentError("--lr is required")
     if args.min_lr > args.lr:
         raise ArgumentError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
+    if args.decoupled_min_lr is not None and args.decoupled_lr is None:
+        raise ArgumentError("--decoupled-min-lr needs --decoupled-lr")
+    if args.use_checkpoint_opt_param_scheduler and args.override_opt_param_scheduler:
+        raise ArgumentError("--use-checkpoint-opt_param-scheduler and --override-opt_param-scheduler "
+                            "contradict each other; pick one")
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     if args.lr_decay_style == "WSD" and args.lr_wsd_decay_iters is None:
         raise ArgumentError("--lr-decay-style WSD needs --lr-wsd-decay-iters")
     if args.lr_warmup_iters < 0:
         raise ArgumentError("--lr-warmup-iters must not be negative")
+    if args.lr_warmup_fraction is not None:
+        if args.lr_warmup_iters:
+            raise ArgumentError("give --lr-warmup-fraction or --lr-warmup-iters, not both (as in "
+                                "Megatron-LM)")
+        if not 0.0 <= args.lr_warmup_fraction < 1.0:
+            raise ArgumentError(f"--lr-warmup-fraction {args.lr_warmup_fraction} must be in [0, 1)")
     if args.lr_warmup_iters >= args.lr_decay_iters:  # megatron-core's scheduler requires this
         raise ArgumentError(f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --lr-decay-iters "
                             f"{args.lr_decay_iters} (default: --train-iters)")
@@ -70,6 +124,11 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         raise ArgumentError("--exit-duration-in-mins must be positive")
     if args.clip_grad < 0:
         raise ArgumentError("--clip-grad must not be negative (0 disables clipping)")
+    if args.manual_gc_interval < 0:
+        raise ArgumentError("--manual-gc-interval must not be negative")
+    interval = args.check_weight_hash_across_dp_replicas_interval
+    if interval is not None and interval <= 0:
+        raise ArgumentError("--check-weight-hash-across-dp-replicas-interval must be positive")
 
 
 def validate_batch_sizes(args: argparse.Namespace, data_parallel_size: int) -> None:

@@ -1,0 +1,374 @@
+"""How many of Megatron-LM's own GPT and MoE training command lines pretrain.py accepts.
+
+Reads, from a copy of Megatron-LM's source (a checkout, or a bare git directory such as the one the
+`fetch` tool leaves), the MODEL_ARGS of its functional tests' training configs
+(tests/functional_tests/test_cases/{gpt,moe}/*/model_config.yaml; inference and RL configs left out)
+and the command lines of its example pretraining scripts, then runs our parser on each, in-process:
+
+    python benchmarks/megatron_flag_coverage.py /path/to/Megatron-LM [--cpu] [--json FILE]
+
+Paths in the command lines are placeholders: `${VAR}` becomes a directory under a scratch root, and
+the files a flag must name (data prefixes, vocabulary, merges, tokenizer model) are created empty.
+The world size is Megatron-LM's CI machine (8 GPUs); a config whose batch or parallel sizes do not fit 8
+ranks is judged at the size among 1-64 where the fewest of its flags are refused (its CI job's size).
+By default the check is
+made as on a GPU host with Transformer Engine (the configs are GPU runs); --cpu checks as on this machine.
+
+A command line is "accepted whole" when it parses and passes every check, so pretrain.py would start
+training it. A refused one is tried again without the flag its refusal names, until it passes, to list
+every flag it needed dropped; the report counts those flags and the reasons given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from megatron_resil import arguments  # noqa: E402
+
+CONFIG_GLOB = ("tests/functional_tests/test_cases/gpt/*/model_config.yaml",
+               "tests/functional_tests/test_cases/moe/*/model_config.yaml")
+NOT_TRAINING_MODES = ("inference", "rl")
+# The example pretraining scripts the issue names, each with the positional arguments it expects
+# ("{root}" is the scratch root).
+EXAMPLES = {
+    "examples/gpt3/train_gpt3_175b_distributed.sh":
+        ["{root}/ckpt", "{root}/tensorboard", "{root}/gpt2-vocab.json", "{root}/gpt2-merges.txt",
+         "{root}/data/corpus_text_document"],
+    "examples/llama/train_llama3_8b_h100_fp8.sh": ["{root}/ckpt", "{root}/tensorboard"],  # mock data
+    "examples/mixtral/train_mixtral_8x7b_distributed.sh":
+        ["{root}/ckpt", "{root}/tokenizer.model", "{root}/data/corpus_text_document"],
+}
+# Features other items of issue 24 are building: tokenizers (item 2) and sample-based training (item 3).
+# With --pending-as-built, a command line using them is judged with a stand-in (NullTokenizer, the run
+# in iterations) so the report shows what else stands in its way.
+TOKENIZER_FLAGS = ("--tokenizer-type", "--vocab-file", "--merge-file", "--tokenizer-model",
+                   "--tiktoken-pattern",
+                   "--vocab-size")
+SAMPLE_FLAGS = {"--train-samples": "--train-iters", "--lr-decay-samples": "--lr-decay-iters",
+                "--lr-warmup-samples": "--lr-warmup-iters"}
+# Flags whose value names a file that must exist (created empty here); --data-path names prefixes.
+FILE_FLAGS = ("--vocab-file", "--merge-file", "--tokenizer-model")
+_FLAG = re.compile(r"--[a-zA-Z0-9][a-zA-Z0-9_-]*")
+_VAR = re.compile(r"\$\{(\w+)\}|\$(\w+)")
+
+
+@dataclass
+class CommandLine:
+    source: str  # config or script, relative to the snapshot
+    argv: list[str]
+
+
+@dataclass
+class Verdict:
+    source: str
+    accepted: bool
+    unknown: list[str] = field(default_factory=list)  # flags our parser does not know
+    refused: list[tuple[str, str]] = field(default_factory=list)  # (flag, the line it was refused with)
+
+
+# --- reading Megatron-LM's command lines ---------------------------------------------------------------
+
+def snapshot_tree(path: Path, scratch: Path) -> tuple[Path, str]:
+    """A directory holding the snapshot's tests/ and examples/, and the commit measured."""
+    if (path / "tests" / "functional_tests").is_dir():
+        commit = subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True,
+                                text=True).stdout.strip() or "unknown (not a git checkout)"
+        return path, commit
+    git = ["git", "--git-dir", str(path)]
+    commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout
+    tree = scratch / "megatron-lm"
+    tree.mkdir()
+    archive = subprocess.run([*git, "archive", "HEAD", "tests/functional_tests/test_cases", "examples"],
+                             capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    return tree, commit.strip()
+
+
+# Variables of the CI scripts that hold a number, not a path.
+NUMBERS = {"REPEAT": "1"}
+
+
+def _placeholder(value: str, root: Path) -> str:
+    def substitute(match: re.Match) -> str:
+        name = match.group(1) or match.group(2)
+        return NUMBERS.get(name, str(root / name))
+    return _VAR.sub(substitute, value)
+
+
+def config_command_lines(tree: Path, root: Path) -> list[CommandLine]:
+    """Each training config's MODEL_ARGS (and MODEL_ARGS_2, ... for its later runs), turned into a command
+    line as tests/functional_tests/shell_test_utils/_run_training.sh does: `true` is the bare flag, an
+    empty value drops the flag, a list is its items."""
+    lines = []
+    for pattern in CONFIG_GLOB:
+        for path in sorted(tree.glob(pattern)):
+            config = yaml.safe_load(path.read_text())
+            if config.get("MODE") in NOT_TRAINING_MODES or not config.get("MODEL_ARGS"):
+                continue
+            for key in sorted(k for k in config if re.fullmatch(r"MODEL_ARGS(_\d+)?", k)):
+                argv: list[str] = []
+                for flag, value in config[key].items():
+                    if value is True:
+                        argv.append(flag)
+                    elif value == "" or value is None:
+                        continue
+                    elif isinstance(value, list):
+                        argv += [flag, *(_placeholder(str(v), root) for v in value)]
+                    else:
+                        text = _placeholder(str(value), root)
+                        if re.fullmatch(r"\[[^]]+\]", text):  # "[a b]" is passed as the words a b
+                            argv += [flag, *text[1:-1].split()]
+                        else:
+                            argv += [flag, text]
+                source = str(path.parent.relative_to(tree))
+                lines.append(CommandLine(source if key == "MODEL_ARGS" else f"{source} ({key})", argv))
+    return lines
+
+
+def example_command_lines(tree: Path, root: Path) -> list[CommandLine]:
+    """Run each example script with bash, torchrun replaced by a function that writes its arguments."""
+    lines = []
+    for script, positional in EXAMPLES.items():
+        work = root / "example_cwd"
+        work.mkdir(exist_ok=True)
+        (work / "pretrain_gpt.py").write_text("")
+        out = work / "argv.json"
+        capture = ('torchrun() { python3 -c "import json,sys; json.dump(sys.argv[1:], '
+                   f"open('{out}', 'w'))\" \"$@\"; }}; source \"$0\" \"$@\"")
+        arguments_given = [p.format(root=root) for p in positional]
+        subprocess.run(["bash", "-c", capture, str(tree / script), *arguments_given],
+                       cwd=work, capture_output=True, text=True, env={**os.environ, "WANDB_API_KEY": ""})
+        argv = json.loads(out.read_text())
+        out.unlink()
+        script_at = argv.index("pretrain_gpt.py") if "pretrain_gpt.py" in argv else \
+            next(i for i, a in enumerate(argv) if a.endswith("pretrain_gpt.py"))
+        lines.append(CommandLine(script, argv[script_at + 1:]))
+    return lines
+
+
+def create_named_files(argv: list[str], root: Path) -> None:
+    """The files the command line names (under the scratch root) exist, empty."""
+    def touch(path: str) -> None:
+        if path.startswith(str(root)):
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).touch()
+
+    for i, arg in enumerate(argv[:-1]):
+        if arg in FILE_FLAGS:
+            touch(argv[i + 1])
+        if arg == "--data-path":
+            for value in argv[i + 1:]:
+                if value.startswith("--"):
+                    break
+                if not re.fullmatch(r"[\d.]+", value):
+                    touch(value + ".bin")
+                    touch(value + ".idx")
+
+
+# --- running our parser ----------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def device(gpu: bool):
+    """Validation asks `cuda_available()` and `transformer_engine_available()`: answer as a GPU host would."""
+    if not gpu:
+        yield
+        return
+    patched = []
+    for name, module in list(sys.modules.items()):
+        if name.startswith("megatron_resil.arguments"):
+            for attr in ("cuda_available", "transformer_engine_available"):
+                if hasattr(module, attr):
+                    patched.append((module, attr, getattr(module, attr)))
+                    setattr(module, attr, lambda: True)
+    try:
+        yield
+    finally:
+        for module, attr, original in patched:
+            setattr(module, attr, original)
+
+
+def _try(argv: list[str], world_size: int) -> str | None:
+    """None when accepted, else the one line pretrain.py would print."""
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            arguments.parse_args(argv, world_size=world_size)
+        except SystemExit as stop:
+            if stop.code == 0:
+                return None
+            return stderr.getvalue().strip().splitlines()[-1] if stderr.getvalue().strip() else str(stop)
+    return None
+
+
+def _drop(argv: list[str], flag: str) -> list[str]:
+    """argv without `flag` and the values after it."""
+    out, skipping = [], False
+    for arg in argv:
+        if arg == flag:
+            skipping = True
+            continue
+        if skipping and not _FLAG.fullmatch(arg):
+            continue
+        skipping = False
+        out.append(arg)
+    return out
+
+
+def _value(argv: list[str], flag: str) -> str | None:
+    return argv[argv.index(flag) + 1] if flag in argv and argv.index(flag) + 1 < len(argv) else None
+
+
+def with_pending_as_built(argv: list[str]) -> list[str]:
+    """The command line with stand-ins for what items 2 and 3 build: a NullTokenizer of the same size
+    instead of any other tokenizer, and sample counts turned into iterations of the global batch."""
+    out = list(argv)
+    if _value(out, "--tokenizer-type") not in ("NullTokenizer", "ByteTokenizer"):
+        vocab = _value(out, "--vocab-size") or "128000"
+        for flag in TOKENIZER_FLAGS:
+            out = _drop(out, flag)
+        out += ["--tokenizer-type", "NullTokenizer", "--vocab-size", vocab]
+    batch = int(_value(out, "--global-batch-size") or 1)
+    for samples_flag, iters_flag in SAMPLE_FLAGS.items():
+        samples = _value(out, samples_flag)
+        if samples is not None:
+            out = _drop(out, samples_flag)
+            if int(samples):
+                out += [iters_flag, str(max(1, int(samples) // batch))]
+    return out
+
+
+def judge(line: CommandLine, world_size: int, parser: argparse.ArgumentParser) -> Verdict:
+    known = {option for action in parser._actions for option in action.option_strings}
+    present = [a for a in line.argv if _FLAG.fullmatch(a)]
+    verdict = Verdict(line.source, accepted=False, unknown=sorted({f for f in present if f not in known}))
+    argv = line.argv
+    for flag in verdict.unknown:
+        argv = _drop(argv, flag)
+    for _ in range(len(present) + 1):
+        refusal = _try(argv, world_size)
+        if refusal is None:
+            break
+        named = [f for f in _FLAG.findall(refusal) if f in argv]
+        if not named:  # a check of a default: report the line itself
+            verdict.refused.append((refusal.removeprefix("pretrain.py: error: "), refusal))
+            break
+        verdict.refused.append((named[0], refusal))
+        argv = _drop(argv, named[0])
+    verdict.accepted = not verdict.unknown and not verdict.refused
+    return verdict
+
+
+def report(verdicts: list[Verdict], commit: str, gpu: bool, world_size: int, top: int,
+           pending_as_built: bool) -> dict:
+    configs = [v for v in verdicts if not v.source.startswith("examples/")]
+    examples = [v for v in verdicts if v.source.startswith("examples/")]
+    # A config with several runs (MODEL_ARGS_2, ...) is accepted when all of them are.
+    by_config: dict[str, bool] = {}
+    for v in configs:
+        name = v.source.split(" (")[0]
+        by_config[name] = by_config.get(name, True) and v.accepted
+    flags = collections.Counter()
+    reasons: dict[str, str] = {}
+    for v in verdicts:
+        for flag in v.unknown:
+            flags[flag] += 1
+            reasons.setdefault(flag, "unknown flag")
+        for flag, line in v.refused:
+            flags[flag] += 1
+            reasons.setdefault(flag, line.removeprefix("pretrain.py: error: "))
+    accepted = sum(by_config.values())
+    summary = {
+        "megatron_lm_commit": commit,
+        "checked_as": f"{'a GPU host with Transformer Engine' if gpu else 'this host'}, "
+                      f"world size {world_size}"
+                      + (", tokenizers and sample-based training as if built" if pending_as_built else ""),
+        "configs": len(by_config),
+        "configs_accepted_whole": accepted,
+        "share": round(accepted / max(len(by_config), 1), 4),
+        "examples": {v.source: {"accepted": v.accepted, "unknown": v.unknown,
+                                "refused": [f for f, _ in v.refused]} for v in examples},
+        "refused_flags": [{"flag": f, "command_lines": n, "first_reason": reasons[f]}
+                          for f, n in flags.most_common()],
+        "configs_refused": {name: [*v.unknown, *(f for f, _ in v.refused)] for v in configs
+                            if not v.accepted for name in [v.source]},
+    }
+    known: dict[str, bool] = {}
+    for v in configs:
+        name = v.source.split(" (")[0]
+        parsed = not v.unknown and not any(line.split("error: ")[-1].startswith("argument ")
+                                           for _, line in v.refused)
+        known[name] = known.get(name, True) and parsed
+    summary["configs_all_flags_known"] = sum(known.values())
+    print(f"Megatron-LM {commit}, checked as on {summary['checked_as']}")
+    print(f"functional-test training configs (gpt, moe) whose every flag our parser knows (name and value): "
+          f"{sum(known.values())}/{len(known)} = {100 * sum(known.values()) / max(len(known), 1):.1f}%")
+    print(f"functional-test training configs (gpt, moe) accepted whole: {accepted}/{len(by_config)} "
+          f"= {100 * summary['share']:.1f}%")
+    for v in examples:
+        state = "accepted" if v.accepted else \
+            f"refused: {', '.join([*v.unknown, *(f for f, _ in v.refused)])}"
+        print(f"{v.source}: {state}")
+    if flags:
+        print("\nmost frequent refused flags (command lines; first reason):")
+        for flag, n in flags.most_common(top):
+            print(f"  {n:4d}  {flag}: {reasons[flag]}")
+        if len(flags) > top:
+            print(f"  ... and {len(flags) - top} more (--top N, or --json)")
+    return summary
+
+
+def main() -> int:
+    cli = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    cli.add_argument("megatron_lm", type=Path, help="a Megatron-LM checkout or bare git directory")
+    cli.add_argument("--world-size", type=int, default=8)
+    cli.add_argument("--cpu", action="store_true", help="check as on this machine, not as on a GPU host")
+    cli.add_argument("--top", type=int, default=40, help="how many refused flags to list")
+    cli.add_argument("--json", type=Path, help="write the full report here")
+    cli.add_argument("--pending-as-built", action="store_true",
+                     help="judge tokenizers (issue 24 item 2) and sample-based training (item 3) as if "
+                          "built: "
+                          "a NullTokenizer and iterations stand in for them")
+    opts = cli.parse_args()
+    scratch = Path(tempfile.mkdtemp(prefix="flag_coverage_"))
+    try:
+        tree, commit = snapshot_tree(opts.megatron_lm.resolve(), scratch)
+        root = scratch / "placeholders"
+        root.mkdir()
+        lines = config_command_lines(tree, root) + example_command_lines(tree, root)
+        for line in lines:
+            create_named_files(line.argv, root)
+            if opts.pending_as_built:
+                line.argv = with_pending_as_built(line.argv)
+        parser = arguments.build_parser()
+        os.environ.setdefault("RANK", "1")  # notes and warnings print on rank 0 only
+        sizes = [opts.world_size] + [n for n in (1, 2, 4, 16, 32, 64) if n != opts.world_size]
+        with device(gpu=not opts.cpu):
+            verdicts = [min((judge(line, n, parser) for n in sizes), key=lambda v: len(v.refused))
+                        for line in lines]
+        summary = report(verdicts, commit, not opts.cpu, opts.world_size, opts.top, opts.pending_as_built)
+        if opts.json:
+            opts.json.write_text(json.dumps(summary, indent=1) + "\n")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
