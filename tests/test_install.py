@@ -35,6 +35,7 @@ def test_setup_py_states_ranges_and_never_an_upper_bound_on_torch():
 
 
 @pytest.mark.slow
+@pytest.mark.compat  # on the second lane too: torch 2.13.0's CUDA build, megatron-core 0.19.2, NVRx 0.7.0
 def test_installing_into_an_environment_that_has_the_stack_replaces_none_of_it(tmp_path):
     report = tmp_path / "report.json"
     done = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-build-isolation",
