@@ -8,9 +8,9 @@ cd "$ROOT"
 set +e
 # Two at a time by default (pytest-xdist, `--dist loadfile`: each file's tests on one worker, so module
 # fixtures are built once and a file's tests never meet; tests/conftest.py hands out the longest files
-# first). `-n 0` runs one test at a time; so does `-s` (output shown live) or `--pdb`. The chaos run
+# first; RESIL_TEST_WORKERS=N for N at a time). `-n 0` runs one test at a time; so does `-s` (output shown live) or `--pdb`. The chaos run
 # (tests/test_chaos.py, several minutes) runs only when asked for: `-m chaos`.
-PARALLEL=(-n 2 --dist loadfile)
+PARALLEL=(-n "${RESIL_TEST_WORKERS:-2}" --dist loadfile)
 SELECT=(-m "not chaos")
 for arg in "$@"; do
   case "$arg" in

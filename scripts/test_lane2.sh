@@ -9,7 +9,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup_lane2.sh"
 cd "$ROOT"
 set +e
-PARALLEL=(-n 2 --dist loadfile)
+PARALLEL=(-n "${RESIL_TEST_WORKERS:-2}" --dist loadfile)
 SELECT=(-m "(not slow or compat) and not chaos")
 for arg in "$@"; do
   case "$arg" in
