@@ -21,6 +21,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import get_model_config
 
+from megatron_resil import events
 from megatron_resil.arguments import FLAGS
 from megatron_resil.arguments.flag_table import config_fields, config_kwargs
 
@@ -117,28 +118,41 @@ def learning_rate(optimizer: MegatronOptimizer) -> float:
     return optimizer.param_groups[0]["lr"]
 
 
+def schedule_steps(args: argparse.Namespace) -> dict[str, float | None]:
+    """The scheduler's step counts as Megatron-LM's get_optimizer_param_scheduler gives them: in samples
+    (the scheduler steps by the global batch size), from the iteration flags times the global batch size,
+    or from the sample flags as they are with --train-samples. --lr-warmup-fraction is a fraction of the
+    decay."""
+    if args.train_samples is None:
+        gbs = args.global_batch_size
+        decay, total, warmup = args.lr_decay_iters * gbs, args.train_iters * gbs, args.lr_warmup_iters * gbs
+        wsd = args.lr_wsd_decay_iters * gbs if args.lr_wsd_decay_iters is not None else None
+    else:
+        decay, total, warmup = args.lr_decay_samples, args.train_samples, args.lr_warmup_samples
+        wsd = args.lr_wsd_decay_samples
+    if args.lr_warmup_fraction is not None:
+        warmup = args.lr_warmup_fraction * decay
+    return {"lr_warmup_steps": warmup, "lr_decay_steps": decay, "wd_incr_steps": total,
+            "wsd_decay_steps": wsd}
+
+
 def build_scheduler(optimizer: MegatronOptimizer, args: argparse.Namespace) -> OptimizerParamScheduler:
-    """Megatron's scheduler, stepped in samples as Megatron-LM does for iteration-based runs. On resume it
-    takes the schedule from the checkpoint (megatron-core's default), or from the command line with
+    """Megatron's scheduler, stepped in samples as Megatron-LM steps it. On resume it takes the schedule
+    from the checkpoint (megatron-core's default), or from the command line with
     --override-opt_param-scheduler."""
-    gbs = args.global_batch_size
-    decay_steps = args.lr_decay_iters * gbs
-    warmup_steps = args.lr_warmup_iters * gbs if args.lr_warmup_fraction is None \
-        else args.lr_warmup_fraction * decay_steps  # as Megatron-LM: a fraction of the decay, in samples
+    if args.train_samples is not None:  # said where Megatron-LM says it, as the scheduler is built
+        events.print_rank_0(f"setting training iterations to {args.train_iters}")
     return OptimizerParamScheduler(
         optimizer,
         init_lr=args.lr_warmup_init,
         max_lr=args.lr,
         min_lr=args.min_lr,
-        lr_warmup_steps=warmup_steps,
-        lr_decay_steps=decay_steps,
         lr_decay_style=args.lr_decay_style,
         start_wd=args.weight_decay,
         end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters * gbs,
         wd_incr_style="constant",
-        wsd_decay_steps=(args.lr_wsd_decay_iters * gbs) if args.lr_wsd_decay_iters else None,
         lr_wsd_decay_style=args.lr_wsd_decay_style,
         use_checkpoint_opt_param_scheduler=not args.override_opt_param_scheduler,
         override_opt_param_scheduler=args.override_opt_param_scheduler,
+        **schedule_steps(args),
     )

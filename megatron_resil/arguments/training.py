@@ -9,14 +9,14 @@ from megatron_resil.arguments.errors import ArgumentError
 from megatron_resil.arguments.flag_table import Flag, add_flags
 
 OC = "OptimizerConfig"
-SAMPLES = "sample-based training is not supported yet; give the run in iterations ({})"
 NOT_HERE = "not supported here (see README, 'Flags of Megatron-LM that are not here')"
 
 FLAGS = (
     Flag("--micro-batch-size", None, int),
     Flag("--global-batch-size", None, int, "default: micro batch size x data-parallel size"),
-    Flag("--train-iters", None, int),
-    Flag("--train-samples", None, int, refuse=SAMPLES.format("--train-iters")),
+    Flag("--train-iters", None, int, "iterations to train (or give --train-samples)"),
+    Flag("--train-samples", None, int, "samples to train, instead of --train-iters: the run takes "
+         "train-samples // global-batch-size iterations and counts its schedule in samples"),
     Flag("--step-batch-size-schedule", None, str, refuse="batch-size schedules are not supported yet; "
          "train with a fixed --global-batch-size"),
     Flag("--eval-interval", 1000, int),
@@ -37,12 +37,14 @@ FLAGS = (
     Flag("--lr-decay-style", "linear", str, choices=("constant", "linear", "cosine", "inverse-square-root",
                                                      "WSD")),
     Flag("--lr-decay-iters", None, int, "default: --train-iters"),
-    Flag("--lr-decay-samples", None, int, refuse=SAMPLES.format("--lr-decay-iters")),
+    Flag("--lr-decay-samples", None, int, "with --train-samples; default: --train-samples"),
     Flag("--lr-warmup-iters", 0, int),
-    Flag("--lr-warmup-fraction", None, float, "warm up over this fraction of --lr-decay-iters"),
-    Flag("--lr-warmup-samples", 0, int, refuse=SAMPLES.format("--lr-warmup-iters or --lr-warmup-fraction")),
+    Flag("--lr-warmup-fraction", None, float, "warm up over this fraction of the decay (--lr-decay-iters or "
+                                              "--lr-decay-samples)"),
+    Flag("--lr-warmup-samples", 0, int, "with --train-samples"),
     Flag("--lr-warmup-init", 0.0, float),
     Flag("--lr-wsd-decay-iters", None, int),
+    Flag("--lr-wsd-decay-samples", None, int, "with --train-samples: the WSD annealing phase, in samples"),
     Flag("--lr-wsd-decay-style", "exponential", str, choices=("exponential", "linear", "cosine")),
     Flag("--use-checkpoint-opt_param-scheduler", dest="use_checkpoint_opt_param_scheduler",
          help="on resume, take the schedule (learning rates, warmup, decay) from the checkpoint"),
@@ -79,10 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def validate(args: argparse.Namespace, world_size: int) -> None:
-    if args.train_iters is None:
-        raise ArgumentError("--train-iters is required")
-    if args.train_iters <= 0:
-        raise ArgumentError("--train-iters must be positive")
+    _validate_schedule(args)
     if args.micro_batch_size is None:
         raise ArgumentError("--micro-batch-size is required")
     if args.micro_batch_size <= 0:
@@ -99,21 +98,6 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     if args.use_checkpoint_opt_param_scheduler and args.override_opt_param_scheduler:
         raise ArgumentError("--use-checkpoint-opt_param-scheduler and --override-opt_param-scheduler "
                             "contradict each other; pick one")
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    if args.lr_decay_style == "WSD" and args.lr_wsd_decay_iters is None:
-        raise ArgumentError("--lr-decay-style WSD needs --lr-wsd-decay-iters")
-    if args.lr_warmup_iters < 0:
-        raise ArgumentError("--lr-warmup-iters must not be negative")
-    if args.lr_warmup_fraction is not None:
-        if args.lr_warmup_iters:
-            raise ArgumentError("give --lr-warmup-fraction or --lr-warmup-iters, not both (as in "
-                                "Megatron-LM)")
-        if not 0.0 <= args.lr_warmup_fraction < 1.0:
-            raise ArgumentError(f"--lr-warmup-fraction {args.lr_warmup_fraction} must be in [0, 1)")
-    if args.lr_warmup_iters >= args.lr_decay_iters:  # megatron-core's scheduler requires this
-        raise ArgumentError(f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --lr-decay-iters "
-                            f"{args.lr_decay_iters} (default: --train-iters)")
     if args.eval_interval is not None and args.eval_interval <= 0:
         raise ArgumentError("--eval-interval must be positive")
     if args.eval_iters < 0:
@@ -131,6 +115,49 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         raise ArgumentError("--check-weight-hash-across-dp-replicas-interval must be positive")
 
 
+# The schedule's flags, in iterations and in samples; a run uses the unit its length is given in.
+SCHEDULE_FLAGS = ("--lr-decay-{}", "--lr-warmup-{}", "--lr-wsd-decay-{}")
+
+
+def _value(args: argparse.Namespace, flag: str):
+    return getattr(args, flag[2:].replace("-", "_"))
+
+
+def _validate_schedule(args: argparse.Namespace) -> None:
+    """Megatron-LM's rules (validate_args): the run's length in iterations or in samples, and its
+    learning-rate schedule in the same unit. The default decay is the whole run."""
+    if args.train_iters is not None and args.train_samples is not None:
+        raise ArgumentError("give --train-iters or --train-samples, not both (as in Megatron-LM)")
+    if args.train_iters is None and args.train_samples is None:
+        raise ArgumentError("--train-iters or --train-samples is required")
+    unit, other = ("samples", "iters") if args.train_samples is not None else ("iters", "samples")
+    total, decay, warmup, wsd = f"--train-{unit}", *(flag.format(unit) for flag in SCHEDULE_FLAGS)
+    for flag in SCHEDULE_FLAGS:
+        if _value(args, flag.format(other)) not in (None, 0):
+            raise ArgumentError(f"{flag.format(other)} with {total}: give {flag.format(unit)} instead (as in "
+                                f"Megatron-LM, the schedule counts in the unit of the run's length)")
+    if _value(args, total) <= 0:
+        raise ArgumentError(f"{total} must be positive")
+    if _value(args, decay) is None:
+        setattr(args, decay[2:].replace("-", "_"), _value(args, total))
+    if _value(args, decay) <= 0:
+        raise ArgumentError(f"{decay} must be positive")
+    if _value(args, warmup) < 0:
+        raise ArgumentError(f"{warmup} must not be negative")
+    if args.lr_warmup_fraction is not None:
+        if _value(args, warmup):
+            raise ArgumentError(f"give --lr-warmup-fraction or {warmup}, not both (as in Megatron-LM)")
+        if not 0.0 <= args.lr_warmup_fraction < 1.0:
+            raise ArgumentError(f"--lr-warmup-fraction {args.lr_warmup_fraction} must be in [0, 1)")
+    if _value(args, warmup) >= _value(args, decay):  # megatron-core's scheduler requires this
+        raise ArgumentError(f"{warmup} {_value(args, warmup)} must be smaller than {decay} "
+                            f"{_value(args, decay)} (default: {total})")
+    if args.lr_decay_style == "WSD" and _value(args, wsd) is None:
+        raise ArgumentError(f"--lr-decay-style WSD needs {wsd}")
+    if _value(args, wsd) is not None and _value(args, wsd) <= 0:
+        raise ArgumentError(f"{wsd} must be positive")
+
+
 def validate_batch_sizes(args: argparse.Namespace, data_parallel_size: int) -> None:
     """Called by distributed.validate once the data-parallel size is known."""
     per_step = args.micro_batch_size * data_parallel_size
@@ -141,3 +168,8 @@ def validate_batch_sizes(args: argparse.Namespace, data_parallel_size: int) -> N
             f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
             f"{args.micro_batch_size} x data-parallel size {data_parallel_size}")
     args.num_microbatches = args.global_batch_size // per_step
+    if args.train_samples is not None:  # Megatron-LM's update_train_iters, for a fixed batch size
+        args.train_iters = args.train_samples // args.global_batch_size
+        if args.train_iters == 0:
+            raise ArgumentError(f"--train-samples {args.train_samples} is less than one global batch "
+                                f"(--global-batch-size {args.global_batch_size}): nothing to train")
