@@ -29,6 +29,9 @@ setup(
     extras_require={
         "gpu": ["transformer-engine[pytorch]"],
         "tensorboard": ["tensorboard"],
-        "test": ["pytest>=8", "pytest-xdist>=3.5", "tensorboard", "ruff", "fusepy>=3.0.1"],
+        # GPT2BPETokenizer (--vocab-file, --merge-file); SentencePieceTokenizer (--tokenizer-model)
+        "tokenizers": ["tokenizers>=0.20", "sentencepiece>=0.2"],
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "tensorboard", "ruff", "fusepy>=3.0.1",
+                 "tokenizers>=0.20", "sentencepiece>=0.2"],
     },
 )

@@ -8,7 +8,9 @@ and the command lines of its example pretraining scripts, then runs our parser o
     python benchmarks/megatron_flag_coverage.py /path/to/Megatron-LM [--cpu] [--json FILE]
 
 Paths in the command lines are placeholders: `${VAR}` becomes a directory under a scratch root, and
-the files a flag must name (data prefixes, vocabulary, merges, tokenizer model) are created empty.
+the files a flag must name (data prefixes, vocabulary, merges, tokenizer model) are created empty, except
+those start-up reads: GPT-2's vocabulary and merges as the smallest valid ones, and the tokenizer model as
+a tiny SentencePiece model.
 The world size is Megatron-LM's CI machine (8 GPUs); a config whose batch or parallel sizes do not fit 8
 ranks is judged at the size among 1-64 where the fewest of its flags are refused (its CI job's size).
 By default the check is
@@ -33,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 
 import yaml
@@ -41,6 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from megatron_resil import arguments  # noqa: E402
+from megatron_resil.arguments.data import BUILT_TOKENIZERS  # noqa: E402
 
 CONFIG_GLOB = ("tests/functional_tests/test_cases/gpt/*/model_config.yaml",
                "tests/functional_tests/test_cases/moe/*/model_config.yaml")
@@ -65,6 +69,7 @@ SAMPLE_FLAGS = {"--train-samples": "--train-iters", "--lr-decay-samples": "--lr-
                 "--lr-warmup-samples": "--lr-warmup-iters"}
 # Flags whose value names a file that must exist (created empty here); --data-path names prefixes.
 FILE_FLAGS = ("--vocab-file", "--merge-file", "--tokenizer-model")
+GPT2_FILES = {"--vocab-file": '{"<|endoftext|>": 0}', "--merge-file": "#version: 0.2\n"}
 _FLAG = re.compile(r"--[a-zA-Z0-9][a-zA-Z0-9_-]*")
 _VAR = re.compile(r"\$\{(\w+)\}|\$(\w+)")
 
@@ -163,16 +168,34 @@ def example_command_lines(tree: Path, root: Path) -> list[CommandLine]:
     return lines
 
 
+@cache
+def sentencepiece_model() -> bytes:
+    """A tiny SentencePiece model (empty where the sentencepiece package is missing)."""
+    try:
+        import sentencepiece
+    except ImportError:
+        return b""
+    with tempfile.TemporaryDirectory() as directory:
+        corpus = Path(directory) / "corpus.txt"
+        corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 10)
+        sentencepiece.SentencePieceTrainer.train(input=str(corpus), model_prefix=f"{directory}/sp",
+                                                 vocab_size=30, model_type="bpe", minloglevel=2)
+        return Path(f"{directory}/sp.model").read_bytes()
+
+
 def create_named_files(argv: list[str], root: Path) -> None:
-    """The files the command line names (under the scratch root) exist, empty."""
-    def touch(path: str) -> None:
+    """The files the command line names (under the scratch root) exist: empty, except those start-up
+    reads: GPT-2's vocabulary and merges (the smallest: <|endoftext|> alone, no merges) and the tokenizer
+    model."""
+    def touch(path: str, data: bytes = b"") -> None:
         if path.startswith(str(root)):
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            Path(path).touch()
+            Path(path).write_bytes(data)
 
     for i, arg in enumerate(argv[:-1]):
         if arg in FILE_FLAGS:
-            touch(argv[i + 1])
+            touch(argv[i + 1], sentencepiece_model() if arg == "--tokenizer-model"
+                  else GPT2_FILES.get(arg, "").encode())
         if arg == "--data-path":
             for value in argv[i + 1:]:
                 if value.startswith("--"):
@@ -237,9 +260,10 @@ def _value(argv: list[str], flag: str) -> str | None:
 
 def with_pending_as_built(argv: list[str]) -> list[str]:
     """The command line with stand-ins for what items 2 and 3 build: a NullTokenizer of the same size
-    instead of any other tokenizer, and sample counts turned into iterations of the global batch."""
+    instead of a tokenizer not built yet, and sample counts turned into iterations of the global batch."""
     out = list(argv)
-    if _value(out, "--tokenizer-type") not in ("NullTokenizer", "ByteTokenizer"):
+    gpt2_default = "GPT2BPETokenizer" if "--vocab-file" in out and "--merge-file" in out else "NullTokenizer"
+    if (_value(out, "--tokenizer-type") or gpt2_default) not in BUILT_TOKENIZERS:
         vocab = _value(out, "--vocab-size") or "128000"
         for flag in TOKENIZER_FLAGS:
             out = _drop(out, flag)

@@ -19,7 +19,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.utils import Split, get_blend_from_list
 
-from megatron_resil.tokenizer import ByteTokenizer, NullTokenizer
+from megatron_resil.tokenizer import Tokenizer
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
@@ -47,7 +47,9 @@ def _data_cache_path(args: argparse.Namespace) -> str | None:
 
 
 def _num_samples(args: argparse.Namespace) -> tuple[int, int]:
-    train = args.train_iters * args.global_batch_size
+    # As Megatron-LM: --train-samples as given (the last, incomplete batch's samples included).
+    train = args.train_samples if args.train_samples is not None \
+        else args.train_iters * args.global_batch_size
     # Megatron-LM's count: one evaluation every eval_interval iterations plus one at the end.
     evaluations = 1 + (args.train_iters // args.eval_interval if args.eval_interval else 0)
     valid = evaluations * args.eval_iters * args.global_batch_size
@@ -93,7 +95,7 @@ def _process_group() -> Iterator[None]:
 
 
 def build_datasets(
-    args: argparse.Namespace, tokenizer: NullTokenizer | ByteTokenizer
+    args: argparse.Namespace, tokenizer: Tokenizer
 ) -> tuple[torch.utils.data.Dataset, torch.utils.data.Dataset | None]:
     """Build (train, valid) GPT datasets; valid is None when eval_iters is 0 or the split gives it nothing.
 

@@ -1,6 +1,8 @@
-"""Tokenizers that need no download: Megatron's NullTokenizer and a UTF-8 byte tokenizer.
+"""The tokenizers under Megatron-LM's --tokenizer-type names: NullTokenizer, GPT2BPETokenizer
+(tokenizer_files.py), SentencePieceTokenizer (and GPTSentencePieceTokenizer, Llama2Tokenizer, which
+Megatron-LM builds the same way), and a UTF-8 byte tokenizer that needs no files.
 
-Both expose what training and megatron-core's datasets read: `vocab_size` (unpadded), `eod`,
+All expose what training and megatron-core's datasets read: `vocab_size` (unpadded), `eod`,
 `tokenize`, `detokenize`, and `unique_identifiers` (hashed into the dataset index cache keys).
 """
 
@@ -12,6 +14,11 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer as _CoreNullTokenizer
+from megatron.core.tokenizers.text.libraries.sentencepiece_tokenizer import (
+    SentencePieceTokenizer as _CoreSentencePieceTokenizer,
+)
+
+from megatron_resil.tokenizer_files import SENTENCEPIECE_TYPES, GPT2BPETokenizer, check_sentencepiece_model
 
 
 class NullTokenizer:
@@ -63,12 +70,40 @@ class ByteTokenizer:
         return data.decode("utf-8", errors="replace")
 
 
-def build_tokenizer(args: argparse.Namespace) -> NullTokenizer | ByteTokenizer:
-    """Build the tokenizer named by `args.tokenizer_type` (NullTokenizer also reads `args.vocab_size`)."""
+class SentencePieceTokenizer:
+    """megatron-core's SentencePiece tokenizer on --tokenizer-model: the model's pieces are the vocabulary
+    and its end-of-sentence id is EOD, as in Megatron-LM."""
+
+    def __init__(self, model_file: str) -> None:
+        check_sentencepiece_model(model_file)  # a missing package or a wrong file: one line
+        self._core = _CoreSentencePieceTokenizer(model_file)
+        self.vocab_size: int = self._core.vocab_size
+        self.eod: int = self._core.eod
+        self.unique_identifiers = OrderedDict(
+            [("class", type(self).__name__), ("tokenizer_model", model_file),
+             ("vocab_size", self.vocab_size)])
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._core.text_to_ids(text)
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self._core.ids_to_text([int(i) for i in ids])
+
+
+Tokenizer = NullTokenizer | ByteTokenizer | GPT2BPETokenizer | SentencePieceTokenizer
+
+
+def build_tokenizer(args: argparse.Namespace) -> Tokenizer:
+    """Build the tokenizer named by `args.tokenizer_type` (NullTokenizer also reads `args.vocab_size`,
+    GPT2BPETokenizer `args.vocab_file` and `args.merge_file`, SentencePiece `args.tokenizer_model`)."""
     if args.tokenizer_type == "NullTokenizer":
         if getattr(args, "vocab_size", None) is None:
             raise ValueError("NullTokenizer needs a vocab_size")
         return NullTokenizer(args.vocab_size)
     if args.tokenizer_type == "ByteTokenizer":
         return ByteTokenizer()
+    if args.tokenizer_type == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(args.vocab_file, args.merge_file)
+    if args.tokenizer_type in SENTENCEPIECE_TYPES:
+        return SentencePieceTokenizer(args.tokenizer_model)
     raise ValueError(f"unknown tokenizer_type {args.tokenizer_type!r}")

@@ -98,7 +98,8 @@ MIXTRAL_8X7B = [
 TINY = {"--num-layers": "2", "--hidden-size": "64", "--num-attention-heads": "4", "--seq-length": "32",
         "--max-position-embeddings": "32", "--train-iters": "4", "--log-interval": "1",
         "--eval-interval": "2", "--eval-iters": "1", "--save-interval": "4"}
-# item 2 of issue 24 builds these tokenizers; until then a NullTokenizer of a tiny vocabulary stands in.
+# The scripts' tokenizer files are not here: a NullTokenizer of a tiny vocabulary stands in
+# (tests/test_tokenizers.py trains on GPT-2's BPE from files it makes).
 TOKENIZER_STAND_IN = ("--vocab-file", "--merge-file", "--tokenizer-model", "--tokenizer-type", "--vocab-size",
                       "--tiktoken-pattern")
 EXAMPLES = {
@@ -110,26 +111,24 @@ EXAMPLES = {
         # Megatron-LM itself receives the schedule split into words and refuses it.
         dropped={"--step-batch-size-schedule": "not supported yet"}, gpu_only={},
         stand_ins={"--data-path": "mock data",
-                   "--vocab-file/--merge-file": "GPT2BPETokenizer not built (item 2)"}),
+                   "--vocab-file/--merge-file": "GPT-2's files are not here"}),
     "llama3_8b_fp8": dict(
         argv=LLAMA3_8B_FP8,
+        # The run stays in samples: 4 iterations of the shrunk global batch of 4.
         set={"--ffn-hidden-size": "128", "--num-query-groups": "2", "--kv-channels": "16",
-             "--global-batch-size": "4"},
+             "--global-batch-size": "4", "--train-samples": "16", "--lr-decay-samples": "16",
+             "--lr-warmup-samples": "4"},
         dropped={}, gpu_only={"--fp8-format": "changes results: refused on CPU",
                               "--fp8-param-gather": "changes results: refused on CPU"},
-        stand_ins={"--train-samples/--lr-decay-samples/--lr-warmup-samples":
-                   "iterations (--train-iters 4 --lr-decay-iters 4 --lr-warmup-iters 1): sample-based "
-                   "training "
-                   "is item 3"}),
+        stand_ins={}),
     "mixtral_8x7b": dict(
         argv=MIXTRAL_8X7B,
         set={"--ffn-hidden-size": "128", "--num-query-groups": "2", "--num-experts": "4",
              "--global-batch-size": "4", "--lr-decay-iters": "4", "--lr-warmup-iters": "1",
              "--pipeline-model-parallel-size": "1", "--expert-model-parallel-size": "2"},
         dropped={}, gpu_only={},
-        stand_ins={"--data-path": "mock data", "--tokenizer-type Llama2Tokenizer": "not built (item 2)"}),
+        stand_ins={"--data-path": "mock data", "--tokenizer-type Llama2Tokenizer": "no tokenizer.model"}),
 }
-SAMPLE_FLAGS = ("--train-samples", "--lr-decay-samples", "--lr-warmup-samples")
 SP_WARNING = ("pretrain.py: warning: Disabling sequence parallelism because tensor model parallelism is "
               "disabled")
 
@@ -162,12 +161,9 @@ def cpu_command_line(name: str, tmp: Path) -> list[str]:
     for flag in TOKENIZER_STAND_IN:
         argv = _drop(argv, flag)
     argv += ["--tokenizer-type", "NullTokenizer", "--vocab-size", "128"]
-    if "--train-samples" in argv:
-        for flag in SAMPLE_FLAGS:
-            argv = _drop(argv, flag)
-        argv += ["--train-iters", "4", "--lr-decay-iters", "4", "--lr-warmup-iters", "1"]
     for flag, value in {**TINY, **example["set"]}.items():
-        argv = _set(argv, flag, value)
+        if not (flag == "--train-iters" and "--train-samples" in argv):  # a run in samples stays so
+            argv = _set(argv, flag, value)
     places = {"ckpt": tmp / "ckpt", "tb": tmp / "tb", "cache": tmp / "cache"}
     return [a.format(**places) for a in argv]
 
@@ -204,18 +200,13 @@ def test_every_flag_of_the_three_example_scripts_is_a_megatron_flag_here():
 
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_example_script_is_accepted_as_on_its_gpu_cluster(name, tmp_path, gpu_host, capsys):
-    """Unshrunk, at the script's world size, with only the stand-ins for what items 2 and 3 build."""
+    """Unshrunk, at the script's world size, with only the stand-ins for what item 2 builds."""
     argv = [a.format(**_files(tmp_path)) for a in EXAMPLES[name]["argv"]]
     for flag in EXAMPLES[name]["dropped"]:
         argv = _drop(argv, flag)
     for flag in TOKENIZER_STAND_IN:
         argv = _drop(argv, flag)
     argv += ["--tokenizer-type", "NullTokenizer", "--vocab-size", "128256"]
-    if "--train-samples" in argv:
-        for flag in SAMPLE_FLAGS:
-            argv = _drop(argv, flag)
-        # The script's samples in iterations of its global batch of 128.
-        argv += ["--train-iters", "15258789", "--lr-decay-iters", "15228271", "--lr-warmup-iters", "30517"]
     world = {"gpt3_175b": 128, "llama3_8b_fp8": 8, "mixtral_8x7b": 32}[name]
     args = parse_args(argv, world_size=world)
     assert args.world_size == world
@@ -224,6 +215,7 @@ def test_example_script_is_accepted_as_on_its_gpu_cluster(name, tmp_path, gpu_ho
         # TP 1: Megatron-LM's adjustment, with its warning.
         assert not args.sequence_parallel and SP_WARNING in capsys.readouterr().err
         assert not args.accumulate_allreduce_grads_in_fp32  # --grad-reduce-in-bf16
+        assert args.train_iters == 1953125000 // 128 and args.lr_decay_samples == 1949218748  # in samples
     if name == "mixtral_8x7b":
         assert args.num_experts == 8 and args.moe_grouped_gemm and args.expert_model_parallel_size == 8
     if name == "gpt3_175b":
@@ -250,13 +242,11 @@ def _refused(argv: list[str], capsys, world_size: int = 1) -> str:
 
 
 @pytest.mark.parametrize("flags, named", [
-    (("--train-samples", "100"), "--train-samples 100: sample-based training is not supported yet"),
-    (("--lr-warmup-samples", "8"), "--lr-warmup-samples 8"),
     (("--use-megatron-fsdp",), "--use-megatron-fsdp"),
     (("--optimizer", "muon"), "--optimizer muon"),
     (("--cuda-graph-impl", "local"), "--cuda-graph-impl local"),
     (("--experimental-attention-variant", "gated_delta_net"), "--experimental-attention-variant"),
-    (("--tokenizer-type", "GPT2BPETokenizer", "--vocab-size", "128"), "GPT2BPETokenizer is not built yet"),
+    (("--tokenizer-type", "TikTokenizer", "--vocab-size", "128"), "TikTokenizer is not built yet"),
     (("--no-position-embedding",), "--no-position-embedding"),
     (("--recompute-granularity", "full", "--recompute-method", "uniform"), None),
 ])

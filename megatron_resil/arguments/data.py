@@ -8,8 +8,14 @@ import re
 
 from megatron_resil.arguments.errors import ArgumentError
 from megatron_resil.arguments.flag_table import Flag, add_flags
+from megatron_resil.tokenizer_files import (
+    SENTENCEPIECE_TYPES,
+    GPT2BPETokenizer,
+    TokenizerFileError,
+    check_sentencepiece_model,
+)
 
-BUILT_TOKENIZERS = ("NullTokenizer", "ByteTokenizer")
+BUILT_TOKENIZERS = ("NullTokenizer", "ByteTokenizer", "GPT2BPETokenizer", *SENTENCEPIECE_TYPES)
 # Megatron-LM's tokenizer types; those not in BUILT_TOKENIZERS are refused at start-up for now.
 MEGATRON_TOKENIZERS = ("BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer",
                        "SentencePieceTokenizer",
@@ -38,9 +44,9 @@ FLAGS = (
          help="default: GPT2BPETokenizer with --vocab-file and --merge-file (Megatron-LM's pretrain_gpt.py), "
               "else NullTokenizer. Built here so far: " + ", ".join(BUILT_TOKENIZERS)),
     Flag("--vocab-size", None, int, "vocabulary size before EOD and padding (NullTokenizer)"),
-    Flag("--vocab-file", None, str, "the tokenizer's vocabulary file"),
-    Flag("--merge-file", None, str, "the BPE merges file"),
-    Flag("--tokenizer-model", None, str, "the tokenizer model: a file, or a Hugging Face name or directory"),
+    Flag("--vocab-file", None, str, "the tokenizer's vocabulary file (GPT2BPETokenizer: GPT-2's vocab.json)"),
+    Flag("--merge-file", None, str, "the BPE merges file (GPT2BPETokenizer: GPT-2's merges.txt)"),
+    Flag("--tokenizer-model", None, str, "the tokenizer model (SentencePiece: the .model file)"),
     Flag("--tiktoken-pattern", None, str, choices=("v1", "v2"), help="TikTokenizer's pattern"),
 )
 
@@ -88,7 +94,7 @@ def _validate_split(args: argparse.Namespace) -> None:
 
 
 def _validate_tokenizer(args: argparse.Namespace) -> None:
-    for flag in ("--vocab-file", "--merge-file"):
+    for flag in ("--vocab-file", "--merge-file", "--tokenizer-model"):
         path = getattr(args, flag[2:].replace("-", "_"))
         if path is not None and not os.path.isfile(path):
             raise ArgumentError(f"{flag} {path}: no such file")
@@ -106,5 +112,21 @@ def _validate_tokenizer(args: argparse.Namespace) -> None:
             raise ArgumentError("--tokenizer-type NullTokenizer needs --vocab-size")
         if args.vocab_size <= 1:
             raise ArgumentError("--vocab-size must be at least 2")
-    elif args.vocab_size is not None:
+    elif args.tokenizer_type == "GPT2BPETokenizer":
+        if not (args.vocab_file and args.merge_file):
+            raise ArgumentError("--tokenizer-type GPT2BPETokenizer needs --vocab-file (vocab.json) and "
+                                "--merge-file (merges.txt)")
+        try:  # the files are read once here, so a wrong one stops start-up with one line
+            GPT2BPETokenizer(args.vocab_file, args.merge_file)
+        except TokenizerFileError as err:
+            raise ArgumentError(str(err)) from None
+    elif args.tokenizer_type in SENTENCEPIECE_TYPES:
+        if not args.tokenizer_model:
+            raise ArgumentError(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model (the "
+                                "SentencePiece .model file)")
+        try:
+            check_sentencepiece_model(args.tokenizer_model)
+        except TokenizerFileError as err:
+            raise ArgumentError(str(err)) from None
+    if args.vocab_size is not None and args.tokenizer_type != "NullTokenizer":
         raise ArgumentError(f"--vocab-size: {args.tokenizer_type} has a fixed vocabulary; drop --vocab-size")

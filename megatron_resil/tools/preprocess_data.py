@@ -22,7 +22,9 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
+    from megatron_resil.arguments.data import BUILT_TOKENIZERS, MEGATRON_TOKENIZERS
     from megatron_resil.tokenizer import build_tokenizer
+    from megatron_resil.tokenizer_files import SENTENCEPIECE_TYPES, TokenizerFileError
 
 PROG = "preprocess_data"
 
@@ -50,9 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="field holding each document's text (one key)")
     parser.add_argument("--append-eod", action="store_true",
                         help="end every non-empty document with the EOD token")
-    parser.add_argument("--tokenizer-type", choices=("NullTokenizer", "ByteTokenizer"),
-                        default="ByteTokenizer")
+    parser.add_argument("--tokenizer-type", choices=("ByteTokenizer", *MEGATRON_TOKENIZERS),
+                        default="ByteTokenizer", help="built here: " + ", ".join(BUILT_TOKENIZERS))
     parser.add_argument("--vocab-size", type=int, default=None, help="vocabulary size for NullTokenizer")
+    parser.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: GPT-2's vocab.json")
+    parser.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: GPT-2's merges.txt")
+    parser.add_argument("--tokenizer-model", default=None, help="SentencePieceTokenizer: the .model file")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="accepted for Megatron-LM command lines; this tool tokenizes in one process")
     return parser
 
 
@@ -69,6 +76,16 @@ def _validate(args: argparse.Namespace) -> None:
             raise InputError(f"--vocab-size {args.vocab_size} must be positive")
     elif args.vocab_size is not None:
         raise InputError(f"--vocab-size applies to NullTokenizer only, not {args.tokenizer_type}")
+    if args.tokenizer_type not in BUILT_TOKENIZERS:
+        raise InputError(f"--tokenizer-type {args.tokenizer_type} is not built yet here (built: "
+                         f"{', '.join(BUILT_TOKENIZERS)})")
+    files = {"GPT2BPETokenizer": (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file))}
+    files.update({name: (("--tokenizer-model", args.tokenizer_model),) for name in SENTENCEPIECE_TYPES})
+    for flag, path in files.get(args.tokenizer_type, ()):
+        if path is None:
+            raise InputError(f"--tokenizer-type {args.tokenizer_type} needs {flag}")
+        if not os.path.isfile(path):
+            raise InputError(f"{flag} {path}: no such file")
 
 
 def _documents(path: str, key: str) -> Iterator[tuple[int, str]]:
@@ -105,7 +122,10 @@ def _fsync(path: str) -> None:
 
 def preprocess(args: argparse.Namespace) -> tuple[int, int, int]:
     """Write the dataset; returns (documents written, empty documents skipped, tokens)."""
-    tokenizer = build_tokenizer(args)
+    try:
+        tokenizer = build_tokenizer(args)
+    except TokenizerFileError as err:
+        raise InputError(str(err)) from None
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     bin_path, idx_path = args.output_prefix + ".bin", args.output_prefix + ".idx"
     tmp_bin, tmp_idx = f"{bin_path}.tmp-{os.getpid()}", f"{idx_path}.tmp-{os.getpid()}"
