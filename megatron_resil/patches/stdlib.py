@@ -17,9 +17,12 @@ from megatron_resil.patches import STAND_DOWN, Has, Patch
 
 _PR_SET_PDEATHSIG = 1
 _forking_pid: int | None = None
+_installed_in: int | None = None  # the rank (or writer) that installed the hook
 
 
 def _forks_die_with_this_process() -> None:
+    global _installed_in
+    _installed_in = os.getpid()
     os.register_at_fork(before=_note_forking_pid, after_in_child=_die_with_parent)
     _note_forking_pid()
 
@@ -30,6 +33,11 @@ def _note_forking_pid() -> None:
 
 
 def _die_with_parent() -> None:
+    # Only the installing process's own forks: a fork of a fork is a daemon being made (NVRx's in-process
+    # monitor double-forks so that it outlives its short-lived middle process), and armed against that
+    # middle process it would die the moment it was born.
+    if _forking_pid != _installed_in:
+        return
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):
