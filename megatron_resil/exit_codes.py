@@ -1,4 +1,4 @@
-"""Process exit codes of pretrain.py, the one table launch scripts act on (see README)."""
+"""Process exit codes of pretrain.py, the one table launch scripts act on (docs/exit_codes.md)."""
 
 FINISHED = 0  # training reached --train-iters, or a requested stop (--exit-interval, duration) saved
 BAD_ARGUMENTS = 2  # the command line (or the installed megatron-core, torch, NVRx) is wrong; do not requeue
@@ -6,7 +6,7 @@ NO_CHECKPOINT = 3  # --exit-on-missing-checkpoint and nothing loadable under --l
 SAVE_FAILED = 4  # a checkpoint could not be written (I/O error); the previous one is intact
 SIGNAL_SAVED = 5  # --exit-signal arrived; a checkpoint was saved; requeue to continue
 SIGNAL_DEADLINE = 6  # --exit-signal arrived but the save missed --exit-signal-grace-secs; previous one intact
-UNRECOVERABLE = 8  # a fault reproduced after bounded retries and fallbacks; do not requeue (see README)
+UNRECOVERABLE = 8  # a fault reproduced after bounded retries and fallbacks; do not requeue
 LAUNCHER_GONE = 9  # the rank's launcher died (SIGKILL, OOM); the rank stopped without saving; requeue
 RERUN_RESUME = 16  # megatron-core's rerun state machine: resume from the checkpoint to disambiguate
 RERUN_FAILED_VALIDATION = 17  # megatron-core's rerun state machine: the result failed validation

@@ -7,7 +7,7 @@
 #
 # Usage: [NPROC_PER_NODE=2] [MAX_REQUEUES=3] [MAX_RESTARTS=2] scripts/run_local.sh <pretrain.py flags>
 # (--save DIR is required: the requeue decision reads DIR/events.jsonl). Exit code: the run's own
-# (0 finished; see the README's table), or 1 when MAX_REQUEUES ran out.
+# (0 finished; see docs/exit_codes.md), or 1 when MAX_REQUEUES ran out.
 set -uo pipefail
 RESIL_SCRIPT=run_local.sh
 RESIL_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

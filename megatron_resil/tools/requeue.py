@@ -8,7 +8,7 @@ first word and end with <code> when they stop.
 The launcher's own exit code cannot say why the workers ended (ft_launcher and torchrun exit 1 for any
 worker failure), so the decision reads the event log the run wrote beside its checkpoints, from
 `--since` on: the last way the training processes ended, with its exit code (the table in
-megatron_resil/exit_codes.py and the README), decides. A step that ended without a word from the run
+megatron_resil/exit_codes.py and docs/exit_codes.md), decides. A step that ended without a word from the run
 (a node died, the launcher's restarts ran out, it was killed) is requeued: Slurm gives the next
 attempt other nodes, and the scripts bound the number of requeues.
 """
