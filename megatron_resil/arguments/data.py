@@ -39,8 +39,8 @@ FLAGS = (
     Flag("--fim-data", refuse="fill-in-the-middle datasets are not supported here; drop --fim-data"),
     Flag("--fim-rate", 0.5, float, "share of samples turned into fill-in-the-middle ones (with --fim-data)"),
     Flag("--fim-spm-rate", 0.5, float, "share of those in SPM rather than PSM order (with --fim-data)"),
-    # Tokenizer
-    Flag("--tokenizer-type", None, str, choices=MEGATRON_TOKENIZERS,
+    # Tokenizer (ByteTokenizer is ours: raw bytes, no files)
+    Flag("--tokenizer-type", None, str, choices=("ByteTokenizer", *MEGATRON_TOKENIZERS),
          help="default: GPT2BPETokenizer with --vocab-file and --merge-file (Megatron-LM's pretrain_gpt.py), "
               "else NullTokenizer. Built here so far: " + ", ".join(BUILT_TOKENIZERS)),
     Flag("--vocab-size", None, int, "vocabulary size before EOD and padding (NullTokenizer)"),
