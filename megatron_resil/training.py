@@ -49,7 +49,12 @@ from megatron_resil.rerun_escape import RerunEscape
 from megatron_resil.stop_conditions import StopConditions
 from megatron_resil.straggler import StragglerDetection
 from megatron_resil.tokenizer import build_tokenizer
-from megatron_resil.train_log import TrainLogger, params_l2_norm, timers_for
+from megatron_resil.train_log import (
+    TrainLogger,
+    floating_point_operations,
+    params_l2_norm,
+    timers_for,
+)
 
 # megatron-core 0.19 asks whether context parallelism is "hybrid" (we run the plain kind); 0.16 does not.
 _CP_ARGS = ({"is_hybrid_cp": False}
@@ -184,6 +189,7 @@ def train(args, model, optimizer, scheduler, checkpoints, progress: TrainProgres
             continue
         progress.iteration += 1
         progress.consumed_train_samples += args.global_batch_size
+        progress.floating_point_operations_so_far += floating_point_operations(args, args.global_batch_size)
         restart_phases.iteration_taken()
         logger.training_step(progress.iteration, progress.consumed_train_samples, learning_rate(optimizer),
                              report)

@@ -259,8 +259,10 @@ def _run_ok(args: list[str], nproc: int) -> str:
 @pytest.mark.slow
 def test_megatron_lms_checkpoint_resumes_here_with_its_manifest_verified(tmp_path):
     root = _copy(tmp_path)
+    # Megatron-LM saved it with --train-iters 2: as there, a longer run says which schedule wins.
     out = _run_ok([*MODEL, "--train-iters", "3", "--load", str(root), "--save", str(root),
-                   "--save-interval", "3", "--verify-integrity"], nproc=1)
+                   "--save-interval", "3", "--verify-integrity", "--use-checkpoint-opt_param-scheduler"],
+                  nproc=1)
     assert f"{_iter_dir(root, 2)} has no manifest: saved by Megatron-LM or an older megatron-resil; its " \
            "files are checked against Megatron-LM's integrity manifest (integrity.json) instead" in out
     assert f"successfully loaded checkpoint from {root} [ t 1/1, p 1/1 ] at iteration 2 " in out
@@ -274,7 +276,7 @@ def test_a_flipped_weight_bit_is_rejected_by_megatron_lms_manifest_quarantined_o
     root = _copy(tmp_path)
     shard = _flip_a_weight_byte(_iter_dir(root, 2))
     out = _run_ok([*MODEL, "--train-iters", "3", "--load", str(root), "--save", str(root),
-                   "--save-interval", "3"], nproc=1)
+                   "--save-interval", "3", "--use-checkpoint-opt_param-scheduler"], nproc=1)
     rejected = [line for line in out.splitlines() if "[resil] load: rejected persistent iteration 2" in line]
     assert len(rejected) == 1, out[-3000:]
     assert "integrity.json" in rejected[0] and f"{shard} fails its SHA-256" in rejected[0]

@@ -25,7 +25,7 @@ from megatron_resil.checkpointing.local_tier import LocalTier
 from megatron_resil.checkpointing.retention import apply_retention
 from megatron_resil.checkpointing.tier import CheckpointTier, TierCandidate
 from megatron_resil.checkpointing.tracker import tracker_path
-from megatron_resil.optimizer import params_in_sync
+from megatron_resil.optimizer import ScheduleMismatch, params_in_sync
 from megatron_resil.progress import TrainProgress
 
 
@@ -172,9 +172,13 @@ class CheckpointManager:
             self._exit_no_checkpoint(str(err))
 
     def _restore(self, result: loader.LoadResult) -> TrainProgress:
-        progress = state.restore(result.state, self.model, self.optimizer, self.scheduler,
-                                 load_optimizer=self._load_optim, load_rng=self._load_rng,
-                                 finetune=self.config.finetune)
+        try:  # every rank reads the same common state, so every rank decides the same, in no collective
+            progress = state.restore(result.state, self.model, self.optimizer, self.scheduler,
+                                     load_optimizer=self._load_optim, load_rng=self._load_rng,
+                                     finetune=self.config.finetune, release=_is_release(result.candidate),
+                                     half_precision=self.args.bf16 or self.args.fp16)
+        except ScheduleMismatch as err:
+            self._exit(exit_codes.BAD_ARGUMENTS, f"{result.candidate.path}: {err}")
         events.record("loaded", tier=result.candidate.tier, iteration=progress.iteration,
                       path=result.candidate.path)
         events.print_rank_0(
@@ -213,16 +217,25 @@ class CheckpointManager:
                                      "back to after the canary rejected the non-persistent one")
         return self._load(persistent_only=True)
 
+    @classmethod
+    def _exit_no_checkpoint(cls, reason: str) -> NoReturn:
+        cls._exit(exit_codes.NO_CHECKPOINT, reason)
+
     @staticmethod
-    def _exit_no_checkpoint(reason: str) -> NoReturn:
-        events.decision("exit", f"{reason}; exiting with code {exit_codes.NO_CHECKPOINT}",
-                        exit_code=exit_codes.NO_CHECKPOINT)
+    def _exit(code: int, reason: str) -> NoReturn:
+        events.decision("exit", f"{reason}; exiting with code {code}", exit_code=code)
         parallel.shutdown()
-        sys.exit(exit_codes.NO_CHECKPOINT)
+        sys.exit(code)
 
     def _template_for(self, candidate: TierCandidate, saved_args, saved_metadata: dict | None) -> dict:
         """What `candidate` is loaded into: this run's model and optimizer, sharded as the checkpoint was
-        (its metadata), with the optimizer and RNG states only where the checkpoint holds usable ones."""
+        (its metadata), with the optimizer and RNG states only where the checkpoint holds usable ones. A
+        `release` checkpoint (Megatron-LM's tracker word) gives the weights only, as --finetune does."""
+        if _is_release(candidate):
+            self._load_optim = self._load_rng = False
+            return state.build_sharded_state(
+                self.model, self.optimizer, self.scheduler, TrainProgress(), self.args,
+                with_optimizer=False, with_rng=False, metadata=saved_metadata, loading=True)
         if self.config.load_optim or self.config.load_rng:
             state.check_format(saved_args)
         saved = vars(saved_args) if isinstance(saved_args, argparse.Namespace) else dict(saved_args)
@@ -347,6 +360,10 @@ def _ranks_tag() -> str:
     """Megatron-LM's `[ t 1/TP, p 1/PP ]` of its checkpoint lines, as rank 0 prints them."""
     return (f"[ t 1/{parallel_state.get_tensor_model_parallel_world_size()}, "
             f"p 1/{parallel_state.get_pipeline_model_parallel_world_size()} ]")
+
+
+def _is_release(candidate: TierCandidate) -> bool:
+    return os.path.basename(candidate.path) == layout.RELEASE_DIR
 
 
 def _due(iteration: int, interval: int | None) -> bool:

@@ -24,6 +24,7 @@ from megatron.core.utils import unwrap_model
 
 from megatron_resil import events, parallel, rerun
 from megatron_resil.checkpointing.tier import CheckpointFormatError
+from megatron_resil.optimizer import apply_overridden_schedule, check_resumed_schedule
 from megatron_resil.progress import TrainProgress
 
 CHECKPOINT_VERSION = 3.0
@@ -89,11 +90,12 @@ def build_sharded_state(model: list, optimizer, scheduler, progress: TrainProgre
     record = args_record(args)
     record.consumed_train_samples = progress.consumed_train_samples
     record.consumed_valid_samples = progress.consumed_valid_samples
+    record.skipped_train_samples = progress.skipped_train_samples
     state = {
         "args": record,
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": progress.iteration,
-        "num_floating_point_operations_so_far": 0,
+        "num_floating_point_operations_so_far": progress.floating_point_operations_so_far,
         "rerun_state_machine": rerun.checkpoint_state(),
     }
     # Keyed by the models themselves, as Megatron-LM keys them: without the DDP and Float16Module wrappers.
@@ -155,16 +157,45 @@ def rng_for_this_device(saved: dict) -> tuple[dict, list[str]]:
 
 
 def restore(loaded: dict, model: list, optimizer, scheduler, *, load_optimizer: bool, load_rng: bool,
-            finetune: bool) -> TrainProgress:
+            finetune: bool, release: bool = False, half_precision: bool = False) -> TrainProgress:
+    """Apply a loaded checkpoint as Megatron-LM's load_checkpoint does. `finetune` or a `release`
+    checkpoint: the weights only, at iteration 0 (no optimizer, scheduler, RNG or rerun state, no consumed
+    samples). Without the optimizer state under bf16/fp16, the optimizer's fp32 main parameters are reloaded
+    from the loaded weights (else the first step would write its random initial ones back over them).
+    Raises ScheduleMismatch, before anything is applied, for a schedule that differs from the checkpoint's
+    with neither flag that settles it."""
+    weights_only = finetune or release
+    load_optimizer = load_optimizer and not weights_only
+    if load_optimizer:
+        check_resumed_schedule(scheduler, loaded["opt_param_scheduler"])
     for key, chunk in zip(_model_keys(model), unwrap_model(model), strict=True):
         chunk.load_state_dict(loaded[key])
-    if finetune:
-        return TrainProgress()
+    flops = float(loaded.get("num_floating_point_operations_so_far") or 0)  # kept even by --finetune
+    if weights_only:
+        if half_precision:
+            with torch.no_grad():
+                optimizer.reload_model_params()
+        return TrainProgress(floating_point_operations_so_far=flops)
     rerun.restore_state(loaded.get("rerun_state_machine"))
+    record = loaded["args"]
+    saved = vars(record) if isinstance(record, argparse.Namespace) else record
+    progress = TrainProgress(
+        iteration=int(loaded["iteration"]),
+        consumed_train_samples=int(saved.get("consumed_train_samples", 0)),
+        consumed_valid_samples=int(saved.get("consumed_valid_samples", 0)),
+        skipped_train_samples=int(saved.get("skipped_train_samples", 0)),
+        floating_point_operations_so_far=flops,
+    )
     if load_optimizer:
+        runtime_lrs = [(group.get("max_lr"), group.get("min_lr")) for group in optimizer.param_groups]
         with torch.no_grad():  # the distributed optimizer copies into views of fp32 parameters
             optimizer.load_state_dict(loaded["optimizer"])
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        if scheduler.override_opt_param_scheduler:
+            apply_overridden_schedule(optimizer, scheduler, runtime_lrs, progress.consumed_train_samples)
+    elif half_precision:
+        with torch.no_grad():
+            optimizer.reload_model_params()
     if load_rng:
         rng, translated = rng_for_this_device(loaded["rng_state"][0])
         if translated:
@@ -173,11 +204,4 @@ def restore(loaded: dict, model: list, optimizer, scheduler, *, load_optimizer: 
                             "(training continues; its dropout masks differ from a run that never moved)",
                             translated=translated)
         parallel.set_rng_state(rng)
-    record = loaded["args"]
-    saved = vars(record) if isinstance(record, argparse.Namespace) else record
-    return TrainProgress(
-        iteration=int(loaded["iteration"]),
-        consumed_train_samples=int(saved.get("consumed_train_samples", 0)),
-        consumed_valid_samples=int(saved.get("consumed_valid_samples", 0)),
-    )
-
+    return progress
