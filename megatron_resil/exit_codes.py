@@ -12,5 +12,6 @@ RERUN_RESUME = 16  # megatron-core's rerun state machine: resume from the checkp
 RERUN_FAILED_VALIDATION = 17  # megatron-core's rerun state machine: the result failed validation
 
 # The same command would fail the same way: launch scripts stop instead of requeueing, and under ft_launcher
-# the ranks ask it not to restart them (NVRx's ShutdownWorkload). 2 is caught before any rank starts.
+# the ranks ask it not to restart them (NVRx's ShutdownWorkload). Most 2s are caught before any rank
+# starts; a schedule that differs from the loaded checkpoint's is found at load, on every rank alike.
 DO_NOT_RETRY = frozenset({BAD_ARGUMENTS, NO_CHECKPOINT, UNRECOVERABLE, RERUN_FAILED_VALIDATION})
