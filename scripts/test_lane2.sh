@@ -7,23 +7,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup_lane2.sh"
+source "$ROOT/scripts/run_pytest.sh"
 cd "$ROOT"
-set +e
-PARALLEL=(-n "${RESIL_TEST_WORKERS:-2}" --dist loadfile)
-SELECT=(-m "(not slow or compat) and not chaos")
-for arg in "$@"; do
-  case "$arg" in
-    -n|-n*|--numprocesses*) PARALLEL=(--dist loadfile) ;;
-    -s|--capture=no|--pdb) PARALLEL=() ;;
-    -m|-m*) SELECT=() ;;
-  esac
-done
 # -p no:cacheprovider: the first lane's pytest owns .pytest_cache in this checkout.
-python -m pytest -p no:cacheprovider "${PARALLEL[@]}" "${SELECT[@]}" "$@"
-rc=$?
-set -e
-if [ "$rc" -eq 5 ]; then  # pytest: no tests collected
-  echo "no tests were collected"
-  exit 1
-fi
-exit "$rc"
+run_pytest "(not slow or compat) and not chaos" -p no:cacheprovider "$@"
