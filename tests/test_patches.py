@@ -204,3 +204,40 @@ def test_a_problem_upstream_no_longer_has_makes_its_patch_stand_down_with_one_li
         f"[resil] patch: megatron-core {version}: 'dp_reshardable padding saved as zeros' stood down: "
         "DistributedOptimizer has no sharded_param_state_dp_reshardable (no dp_reshardable format)",
         "installed"]
+
+
+_OPTIMIZER_STEPS = """
+    import sys
+    import torch
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)  # add_param_group: torch's dynamo wrapper
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    print("dynamo imported:", "torch._dynamo" in sys.modules)
+"""
+
+
+def test_an_optimizer_built_and_stepped_imports_no_dynamo_until_something_else_does():
+    """Without the patch, building an optimizer imports torch._dynamo (the control); with it, nothing
+    does until dynamo is imported for its own sake, and from then on torch's own disabled method runs."""
+    control = _python("import megatron_resil\n" + textwrap.dedent(_OPTIMIZER_STEPS))
+    assert control.returncode == 0, control.stdout + control.stderr
+    assert "dynamo imported: True" in control.stdout
+
+    install = "import megatron_resil\nfrom megatron_resil import patches\npatches.install()\n"
+    after = textwrap.dedent("""
+        import torch._dynamo  # as torch.compile would
+        optimizer.load_state_dict(optimizer.state_dict())
+        from megatron_resil.patches import torch_startup
+        ours = [fn.__qualname__ for fn, _ in torch_startup.wrapped_by_disable_dynamo()
+                if "_until_dynamo_is_imported" in getattr(fn, "__dynamo_disable").__qualname__]
+        print("ours still cached on:", sorted(ours))
+    """)
+    patched = _python(install + textwrap.dedent(_OPTIMIZER_STEPS) + after)
+    assert patched.returncode == 0, patched.stdout + patched.stderr
+    assert "dynamo imported: False" in patched.stdout
+    cached = patched.stdout.split("ours still cached on:")[1]
+    # Called since dynamo came in: torch's own disabled function replaced ours on each.
+    assert "Optimizer.state_dict'" not in cached and "Optimizer.load_state_dict'" not in cached, cached
+    assert "Optimizer.add_param_group'" in cached  # not called since: still ours, harmless

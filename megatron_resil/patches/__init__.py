@@ -1,12 +1,12 @@
 """Every change we make to someone else's code, and every private name of theirs we build on, in one
 registry, installed at start-up by `install()` and never by importing a module.
 
-One file per upstream (megatron_core.py, megatron_core_cpu.py, torch_dcp.py, nvrx.py, stdlib.py) declares
-`PATCHES`: records naming the target, the versions it was written for, why (the upstream bug, or the
-reason), and what must hold of the installed code for it to be right: attributes present, parameter
-names, and where the patch depends on how upstream code is written, a line of that code. A record
-without `apply` is a dependency: code of ours (a subclass overriding private methods, a private name
-used at run time) that relies on it; it is checked the same way.
+One file per upstream (megatron_core.py, megatron_core_cpu.py, torch_dcp.py, torch_startup.py, nvrx.py,
+stdlib.py) declares `PATCHES`: records naming the target, the versions it was written for, why (the
+upstream bug, or the reason), and what must hold of the installed code for it to be right: attributes
+present, parameter names, and where the patch depends on how upstream code is written, a line of that
+code. A record without `apply` is a dependency: code of ours (a subclass overriding private methods, a
+private name used at run time) that relies on it; it is checked the same way.
 
 `install()` checks every record that concerns this run, then applies. A record whose problem upstream
 does not have here (fixed, or absent in this release) stands down; one whose target is not what it
@@ -35,7 +35,7 @@ from megatron_resil import exit_codes
 
 STOP = "stop"  # without it we would be wrong: exit 2
 STAND_DOWN = "stand down"  # without it we are slower or less tidy, not wrong: go on, say so
-_MODULES = ("stdlib", "megatron_core", "megatron_core_cpu", "torch_dcp", "nvrx")  # the order of install
+_MODULES = ("stdlib", "megatron_core", "megatron_core_cpu", "torch_dcp", "torch_startup", "nvrx")  # the order of install
 _EXIT_CODE = exit_codes.BAD_ARGUMENTS  # the same command on the same installation fails the same way
 
 
