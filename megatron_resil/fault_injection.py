@@ -7,6 +7,7 @@ so the restarted job does not strike again (--inject-fault-repeat to strike ever
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import time
@@ -18,13 +19,14 @@ from megatron_resil.checkpointing.atomic import atomic_write_text
 
 
 class FaultInjector:
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, model: list | None = None) -> None:
         self.kind = args.inject_fault
         self.iteration = args.inject_fault_iteration
         self.slow_secs = args.inject_fault_slow_secs
         self.repeat = args.inject_fault_repeat
         self.here = self.kind is not None and parallel.rank() in args.inject_fault_ranks
         self.marker_dir = os.path.join(args.save, ".injected_faults") if args.save else None
+        self.model = model  # flip-weight's target: this rank's model chunks
         self._struck = False
         self._slowing = False
 
@@ -57,6 +59,9 @@ class FaultInjector:
             if self._slowing:
                 time.sleep(self.slow_secs)
             return
+        if self.kind == "flip-weight" and iteration == self.iteration:
+            self._flip_weight(iteration)
+            return
         if iteration != self.iteration or self.kind not in ("kill", "exception", "sigterm", "hang"):
             return
         if not self._strike(f"before iteration {iteration}"):
@@ -71,6 +76,24 @@ class FaultInjector:
         else:  # hang: alive, but never reaching the next collective
             while True:
                 time.sleep(3600)
+
+    @torch.no_grad()
+    def _flip_weight(self, iteration: int) -> None:
+        """A silent data corruption of this replica: one bit of one weight, in place. The top mantissa bit
+        of the largest element of the last weight matrix: the value moves by a quarter to a half, stays
+        finite (the loss too: no NaN check notices), and outlives the optimizer's small updates where the
+        optimizer steps these weights themselves (fp32 without --use-distributed-optimizer; otherwise its
+        main copy overwrites them at the next step)."""
+        name, param = [(f"{name} (model chunk {i})", p) for i, chunk in enumerate(self.model)
+                       for name, p in chunk.named_parameters() if p.dim() >= 2][-1]
+        flat = param.data.view(-1)
+        index = int(flat.abs().argmax())
+        bit = round(-math.log2(torch.finfo(param.dtype).eps)) - 1  # the mantissa's top bit
+        flipped = flat[index:index + 1].clone()
+        flipped.view({4: torch.int32, 2: torch.int16}[flipped.element_size()]).bitwise_xor_(1 << bit)
+        if self._strike(f"before iteration {iteration}: bit {bit} of element {index} of {name}, "
+                        f"{float(flat[index]):.6g} -> {float(flipped):.6g}"):
+            flat[index:index + 1].copy_(flipped)
 
     def poison_loss(self, loss: torch.Tensor, iteration: int) -> torch.Tensor:
         # With --inject-fault-repeat a NaN strikes every pass of its iteration, its rerun in place included,

@@ -109,7 +109,7 @@ def _pretrain(args: argparse.Namespace, ft: FaultTolerance) -> int:
     tokenizer = build_tokenizer(args)
     model, optimizer, scheduler = build_engine(args, tokenizer.vocab_size)
     restart_phases.mark("engine")
-    faults = FaultInjector(args)
+    faults = FaultInjector(args, model)
     rerun.initialize(rerun.RerunConfig.from_args(args))  # before the load: a checkpoint may hold its state
     checkpoints = CheckpointManager(CheckpointConfig.from_args(args), model, optimizer, scheduler, args,
                                     on_staged=faults.on_staged)
@@ -176,6 +176,9 @@ def train(args, model, optimizer, scheduler, checkpoints, progress: TrainProgres
     if args.manual_gc:  # Megatron-LM: no automatic collections; collect at known points instead
         gc.disable()
         gc.collect()
+    if args.check_weight_hash_across_dp_replicas_interval is not None:  # before training too, as Megatron-LM
+        with params_in_sync(model, args):
+            stop = weight_hashes.check(model, progress.iteration)  # replicas apart: a stop, nothing saved
     while stop is None and progress.iteration < args.train_iters:
         with ft.step():  # an injected hang or slowness counts as part of the iteration
             stragglers.iteration_started()  # this rank's own work starts here, injected slowness included
@@ -197,7 +200,8 @@ def train(args, model, optimizer, scheduler, checkpoints, progress: TrainProgres
             progress = reloaded  # the non-persistent checkpoint was bad: back to a persistent one
             continue
         escape.step_taken(progress.iteration)  # after the canary: a step it rejects passed nothing
-        _housekeeping(args, model, progress.iteration)
+        if (stop := _housekeeping(args, model, progress.iteration)) is not None:
+            break  # the replicas' weights differ: the run ends before any save (weight_hashes.py)
         if valid_ds is not None and args.eval_iters and progress.iteration % args.eval_interval == 0:
             with _collected_around(args.manual_gc and args.manual_gc_eval):
                 logger.validation(progress.iteration, evaluate(args, model, valid_ds, progress),
@@ -222,15 +226,15 @@ def train(args, model, optimizer, scheduler, checkpoints, progress: TrainProgres
     return stop.exit_code
 
 
-def _housekeeping(args, model, iteration: int) -> None:
+def _housekeeping(args, model, iteration: int) -> rerun.RerunStop | None:
     """After a taken step: Megatron-LM's periodic garbage collection, weight-hash comparison of the
-    data-parallel replicas, CUDA cache release and profiler window."""
+    data-parallel replicas, CUDA cache release and profiler window. A stop when the replicas differ."""
     if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
         gc.collect()
-    interval = args.check_weight_hash_across_dp_replicas_interval
+    stop, interval = None, args.check_weight_hash_across_dp_replicas_interval
     if interval is not None and iteration % interval == 0:
         with params_in_sync(model, args):
-            weight_hashes.check(model, iteration)
+            stop = weight_hashes.check(model, iteration)
     if args.empty_unused_memory_level >= 1:
         torch.cuda.empty_cache()
     if args.profile and (not args.profile_ranks or torch.distributed.get_rank() in args.profile_ranks):
@@ -238,6 +242,7 @@ def _housekeeping(args, model, iteration: int) -> None:
             torch.cuda.cudart().cudaProfilerStart()
         elif iteration == args.profile_step_end:
             torch.cuda.cudart().cudaProfilerStop()
+    return stop
 
 
 class _collected_around:

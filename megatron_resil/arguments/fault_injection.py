@@ -6,7 +6,8 @@ import argparse
 
 from megatron_resil.arguments.errors import ArgumentError
 
-KINDS = ("kill", "exception", "sigterm", "hang", "slow", "nan-loss", "spiky-loss", "crash-mid-save")
+KINDS = ("kill", "exception", "sigterm", "hang", "slow", "nan-loss", "spiky-loss", "crash-mid-save",
+         "flip-weight")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,7 +18,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "at that iteration (with --inject-fault-repeat: on every pass of it, reruns too); "
                         "spiky-loss: that iteration's loss x1000 (once: its rerun sees "
                         "the true loss); crash-mid-save: die after writing the shards of the first "
-                        "save at or after that iteration, before it is published")
+                        "save at or after that iteration, before it is published; flip-weight: flip one "
+                        "bit of one weight (the last weight matrix's largest element, in place: its "
+                        "data-parallel replicas then differ)")
     g.add_argument("--inject-fault-iteration", type=int, default=None,
                    help="the iteration at which the fault strikes (before it runs)")
     g.add_argument("--inject-fault-ranks", default="0", help="comma-separated global ranks (default 0)")

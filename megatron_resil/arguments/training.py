@@ -70,8 +70,9 @@ FLAGS = (
     Flag("--no-manual-gc-eval", True, dest="manual_gc_eval",
          help="with --manual-gc: do not collect before and after evaluation"),
     Flag("--check-weight-hash-across-dp-replicas-interval", None, int,
-         "every N iterations, compare a hash of the weights across data-parallel replicas; a mismatch "
-         "stops the run (exit 1), as in Megatron-LM"),
+         "before training and every N iterations, compare a hash of the weights across data-parallel "
+         "replicas; a mismatch is one decision line, then by --rerun-mode: validate_results stops without "
+         "saving (exit 17), report_stats reports and trains on, disabled raises as Megatron-LM does"),
     Flag("--test-mode", to="TransformerConfig", help="Megatron-LM's real-time tests alongside training"),
 )
 

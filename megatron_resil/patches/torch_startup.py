@@ -52,7 +52,7 @@ def _until_dynamo_is_imported(fn, recursive: bool):
 def _closure(function) -> dict:
     """A function's free variables that are bound (a cell can be empty: a name not assigned yet)."""
     bound = {}
-    for name, cell in zip(function.__code__.co_freevars, function.__closure__ or ()):
+    for name, cell in zip(function.__code__.co_freevars, function.__closure__ or (), strict=True):
         try:
             bound[name] = cell.cell_contents
         except ValueError:
