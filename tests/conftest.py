@@ -24,6 +24,7 @@ SECONDS_PER_FILE = {  # the slowest 90 tests' seconds summed per file, 2026-11-2
     "test_non_persistent.py": 33, "test_untrusted_checkpoint.py": 29, "test_launch_scripts.py": 28,
     "test_real_data.py": 27, "test_gpu_path.py": 26, "test_straggler.py": 20, "test_zarr_strategy.py": 19,
     "test_install.py": 16, "test_resume_semantics.py": 95, "test_weight_hashes.py": 45,
+    "test_megatron_lm_checkpoints.py": 55,
 }
 
 
