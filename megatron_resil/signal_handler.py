@@ -11,6 +11,15 @@ A signal during the checkpoint load ends the process at once: nothing trained ca
 load can block where no Python code runs (a stalled file system, a peer stuck in a collective), so the
 watchdog learns of the signal through a wakeup pipe written by the C-level handler, not from the main
 thread.
+
+A signal during a training step that then does not end is the launcher stopping a worker group one of
+whose ranks is gone (killed, or stopped and killed by its rank monitor): this rank waits in a collective
+for a peer that will never answer, its loop never asks whether to save, and its launcher waits out its
+stop timeout (30 s for torchrun and ft_launcher) before SIGKILL. A step that outlasts the signal by
+STUCK_STEP_FACTOR times the slowest step this process has taken (at least STUCK_STEP_MIN_SECS) is
+blocked: the watchdog ends the process with one line and exit code 6 (no save could be agreed; the
+previous checkpoint is intact). Saves and evaluation are not steps: a preemption signal mid-save lets it
+finish.
 """
 
 from __future__ import annotations
@@ -27,6 +36,10 @@ from megatron_resil import events, exit_codes
 
 # Without --exit-signal-grace-secs, how long a load that began after the signal may still take.
 LOAD_AFTER_SIGNAL_SECS = 60.0
+# A step still running this long after the signal waits for a peer that is gone (see the module's doc).
+STUCK_STEP_FACTOR = 5.0
+STUCK_STEP_MIN_SECS = 3.0
+_WATCH_EVERY_SECS = 0.1
 
 
 class ExitSignalHandler:
@@ -39,6 +52,8 @@ class ExitSignalHandler:
         self.count = 0
         self.first_received_at: float | None = None
         self._first = threading.Event()
+        self._step_began: float | None = None  # the step running now, if one is
+        self._slowest_step: float | None = None  # of the steps this process has taken
 
     @property
     def received(self) -> bool:
@@ -85,14 +100,41 @@ class ExitSignalHandler:
         self._first.wait()
         if self._loading:
             self._exit_during_load()
-        if self.grace_secs is None:
-            return
-        time.sleep(max(0.0, self.first_received_at + self.grace_secs - time.monotonic()))
-        # Still alive: the save did not finish in time. Exit now; nothing partial is ever published.
-        self._exit(f"{self.signal_name} grace period of {self.grace_secs:g}s elapsed before the save "
-                   "finished; the previous checkpoint is intact; "
-                   f"exiting with code {exit_codes.SIGNAL_DEADLINE}",
-                   exit_codes.SIGNAL_DEADLINE)
+        deadline = None if self.grace_secs is None else self.first_received_at + self.grace_secs
+        while True:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                # Still alive: the save did not finish in time. Exit now; nothing partial is ever published.
+                self._exit(f"{self.signal_name} grace period of {self.grace_secs:g}s elapsed before the save "
+                           "finished; the previous checkpoint is intact; "
+                           f"exiting with code {exit_codes.SIGNAL_DEADLINE}",
+                           exit_codes.SIGNAL_DEADLINE)
+            if (blocked := self._blocked_for(now)) is not None:
+                self._exit(f"{self.signal_name} received during a training step that has not ended "
+                           f"{blocked:.1f}s later (its slowest step: {self._slowest_step:.2f}s): it waits in "
+                           "a collective for a rank that is gone, so no save can be agreed; the previous "
+                           f"checkpoint is intact; exiting with code {exit_codes.SIGNAL_DEADLINE}",
+                           exit_codes.SIGNAL_DEADLINE, requeue=True)
+            time.sleep(_WATCH_EVERY_SECS)
+
+    def _blocked_for(self, now: float) -> float | None:
+        """Seconds the current step has run since the signal, once that is past the stuck-step bound."""
+        began, slowest = self._step_began, self._slowest_step
+        if began is None or slowest is None:  # not in a step, or none taken yet to compare with
+            return None
+        running = now - max(began, self.first_received_at)
+        return running if running > max(STUCK_STEP_MIN_SECS, STUCK_STEP_FACTOR * slowest) else None
+
+    @contextlib.contextmanager
+    def stepping(self):
+        """Wraps a training step: its duration, and whether one is running, for the stuck-step bound."""
+        began = self._step_began = time.monotonic()
+        try:
+            yield
+        finally:
+            self._step_began = None
+            took = time.monotonic() - began
+            self._slowest_step = took if self._slowest_step is None else max(self._slowest_step, took)
 
     _loading = False
 
@@ -151,3 +193,8 @@ def install_from_args(args) -> ExitSignalHandler | None:
 def loading():
     """Wraps the checkpoint load: with --exit-signal-handler, a signal then ends the process at once."""
     return _installed.loading() if _installed is not None else contextlib.nullcontext()
+
+
+def stepping():
+    """Wraps a training step: with --exit-signal-handler, a step blocked after a signal ends the process."""
+    return _installed.stepping() if _installed is not None else contextlib.nullcontext()

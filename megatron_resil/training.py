@@ -180,7 +180,7 @@ def train(args, model, optimizer, scheduler, checkpoints, progress: TrainProgres
         with params_in_sync(model, args):
             stop = weight_hashes.check(model, progress.iteration)  # replicas apart: a stop, nothing saved
     while stop is None and progress.iteration < args.train_iters:
-        with ft.step():  # an injected hang or slowness counts as part of the iteration
+        with ft.step(), signal_handler.stepping():  # an injected hang or slowness counts as the iteration's
             stragglers.iteration_started()  # this rank's own work starts here, injected slowness included
             faults.before_iteration(progress.iteration + 1)
             report, stop = train_step(args, model, optimizer, scheduler, train_ds, progress, faults,

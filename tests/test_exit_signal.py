@@ -174,3 +174,48 @@ def test_sigterm_during_set_up_is_honoured_with_exit_5_and_an_exit_record(tmp_pa
     assert "nothing to save" in exits[0]["message"]
     assert not (save / "latest_checkpointed_iteration.txt").exists()
     assert not list(save.glob("iter_*"))
+
+
+def _rank_of(pid: int) -> int:
+    from pathlib import Path
+    environ = (Path(f"/proc/{pid}") / "environ").read_bytes().split(b"\0")
+    return int(next(kv for kv in environ if kv.startswith(b"RANK=")).split(b"=", 1)[1])
+
+
+def _gone(pid: int) -> bool:
+    from pathlib import Path
+    try:
+        return (Path(f"/proc/{pid}") / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_sigterm_to_a_rank_blocked_on_a_stopped_peer_ends_it_in_seconds_with_exit_6(tmp_path):
+    """The launcher stopping a worker group one of whose ranks is frozen: the rank that gets SIGTERM waits
+    in a collective for its frozen peer and never reaches the point where ranks agree to save. Without the
+    stuck-step bound it would wait for gloo's timeout (10 minutes) and its launcher 30 s before SIGKILL."""
+    root, log = tmp_path / "ckpt", tmp_path / "run.log"
+    proc = launch.start(_args(root, extra=["--save-interval", "1000", "--log-interval", "1"]), log_path=log)
+    frozen = None
+    try:
+        _wait_for(lambda: "iteration        5/" in log.read_text(), what="iteration 5")
+        pids = {_rank_of(pid): pid for pid in _rank_pids(proc.pid)}
+        frozen = pids[1]
+        os.kill(frozen, signal.SIGSTOP)
+        time.sleep(0.5)  # rank 0 is now blocked in the step's gradient all-reduce
+        signalled = time.monotonic()
+        os.kill(pids[0], signal.SIGTERM)
+        _wait_for(lambda: _gone(pids[0]), timeout=60, what="rank 0 to exit")
+        took = time.monotonic() - signalled
+    finally:
+        if frozen is not None:
+            os.kill(frozen, signal.SIGKILL)
+        proc.wait(timeout=120)
+    out = log.read_text()
+    line = next((ln for ln in out.splitlines() if "during a training step that has not ended" in ln), None)
+    assert line is not None and line.startswith("[resil] exit: SIGTERM received") and \
+        line.endswith("exiting with code 6"), out[-3000:]
+    assert took < 30, f"rank 0 took {took:.1f} s to exit"
+    records = [json.loads(ln) for ln in (root / "events.jsonl").read_text().splitlines()]
+    assert [r["exit_code"] for r in records if r["event"] == "exit"] == [6]
+    assert not list(root.glob("iter_*")), "nothing was saved"

@@ -196,11 +196,14 @@ def test_a_problem_upstream_no_longer_has_makes_its_patch_stand_down_with_one_li
     """)
     assert result.returncode == 0, result.stdout + result.stderr
     version = importlib.metadata.version("megatron-core")
-    # Imported before install(): the jit deferral stands down too, saying so in a line of its own.
+    # Imported before install(): the jit deferral and the timers' hook stand down too, each saying so.
     assert _lines(result) == [
         f"[resil] patch: megatron-core {version}: 'torch.compile deferred in megatron.core.jit' stood down: "
         "megatron.core.jit was imported before patches.install(); every process imports TorchInductor at "
         "start-up (about 2 s)",
+        f"[resil] patch: megatron-core {version}: 'TensorBoard not imported by megatron.core.timers without "
+        "--tensorboard-dir' stood down: megatron.core.timers was imported before patches.install(); every "
+        "process imports TensorBoard at start-up (about 0.15 s)",
         f"[resil] patch: megatron-core {version}: 'dp_reshardable padding saved as zeros' stood down: "
         "DistributedOptimizer has no sharded_param_state_dp_reshardable (no dp_reshardable format)",
         "installed"]
@@ -241,3 +244,28 @@ def test_an_optimizer_built_and_stepped_imports_no_dynamo_until_something_else_d
     # Called since dynamo came in: torch's own disabled function replaced ours on each.
     assert "Optimizer.state_dict'" not in cached and "Optimizer.load_state_dict'" not in cached, cached
     assert "Optimizer.add_param_group'" in cached  # not called since: still ours, harmless
+
+
+def test_tensorboard_is_imported_only_by_runs_that_write_to_it():
+    """Without --tensorboard-dir megatron-core's timers take their ImportError fallback and nothing imports
+    TensorBoard; with it, the timers get the real SummaryWriter their write() checks against."""
+    code = textwrap.dedent("""
+        import sys
+        import megatron_resil
+        from megatron_resil import patches
+        from megatron_resil.arguments import parse_args
+        sys.argv = ["pretrain.py", *sys.argv[1:]]
+        patches.install(parse_args())
+        import megatron.core
+        from megatron.core import timers
+        print("imported:", "torch.utils.tensorboard" in sys.modules, "class:", timers.SummaryWriter)
+    """)
+    tiny = [*launch.TINY_MODEL, "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3",
+            "--mock-data"]
+    for extra, imported in (([], False), (["--tensorboard-dir", "/nonexistent/tb"], True)):
+        result = subprocess.run([sys.executable, "-c", code, *tiny, *extra], env=launch.env(),
+                                cwd=launch.REPO, timeout=180, capture_output=True, text=True)
+        assert result.returncode == 0, result.stdout + result.stderr
+        shown = result.stdout.splitlines()[-1]
+        assert shown.startswith(f"imported: {imported} "), shown
+        assert ("SummaryWriter'>" in shown) == imported, shown

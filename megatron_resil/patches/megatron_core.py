@@ -70,18 +70,59 @@ class _DeferCompileLoader(importlib.abc.Loader):
             torch.compile = real_compile
 
 
-class _JitImportHook(importlib.abc.MetaPathFinder):
+class _WithoutTensorBoardLoader(importlib.abc.Loader):
+    """Runs megatron.core.timers' module code with torch.utils.tensorboard unimportable, so that it takes
+    its own fallback (`SummaryWriter = None`); torch.utils.tensorboard imports as ever afterwards."""
+
+    def __init__(self, loader) -> None:
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        blocked = _TENSORBOARD not in sys.modules
+        if blocked:
+            sys.modules[_TENSORBOARD] = None  # an import of it raises ImportError
+        try:
+            self.loader.exec_module(module)
+        finally:
+            if blocked and sys.modules.get(_TENSORBOARD, False) is None:
+                del sys.modules[_TENSORBOARD]
+
+
+class _LoaderHook(importlib.abc.MetaPathFinder):
+    """Has one module's code run by a loader of ours that wraps its own."""
+
+    def __init__(self, module_name: str, wrapper) -> None:
+        self.module_name, self.wrapper = module_name, wrapper
+
     def find_spec(self, name, path, target=None):
-        if name != "megatron.core.jit":
+        if name != self.module_name:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is not None and spec.loader is not None:
-            spec.loader = _DeferCompileLoader(spec.loader)
+            spec.loader = self.wrapper(spec.loader)
         return spec
 
 
 def _defer_jit_compile() -> None:
-    sys.meta_path.insert(0, _JitImportHook())
+    sys.meta_path.insert(0, _LoaderHook("megatron.core.jit", _DeferCompileLoader))
+
+
+# ---- the timers without TensorBoard -------------------------------------------------------------------
+
+_TENSORBOARD = "torch.utils.tensorboard"
+_TIMERS = "megatron.core.timers"
+
+
+def _timers_without_tensorboard() -> None:
+    sys.meta_path.insert(0, _LoaderHook(_TIMERS, _WithoutTensorBoardLoader))
+
+
+def _no_tensorboard_dir(args) -> bool:
+    # With a writer, Timers.write's `isinstance(writer, SummaryWriter)` needs the real class.
+    return args is None or not getattr(args, "tensorboard_dir", None)
 
 
 # ---- the MoE router's GEMM without Transformer Engine ---------------------------------------------------
@@ -289,6 +330,22 @@ PATCHES = (
                                                        on_disk=True)),
         apply=_defer_jit_compile,
         on_mismatch=STAND_DOWN, without="every process imports TorchInductor at start-up (about 2 s)",
+        first=True,
+    ),
+    Patch(
+        name="TensorBoard not imported by megatron.core.timers without --tensorboard-dir",
+        package=PACKAGE, written_for=WRITTEN_FOR,
+        target=f"{_TIMERS}:SummaryWriter",
+        why="megatron.core imports its timers, which import torch.utils.tensorboard (and through it "
+            "TensorBoard and absl: about 0.15 s of every rank's start-up and restart) for a type a run "
+            "without --tensorboard-dir never uses; its own ImportError fallback is taken instead",
+        checks=(NotImported(_TIMERS),
+                Says(_TIMERS, "    from torch.utils.tensorboard import SummaryWriter\nexcept ImportError:\n"
+                     "    SummaryWriter = None", on_disk=True),
+                Says(_TIMERS, "SummaryWriter", count=6, on_disk=True)),  # none used but in write()
+        apply=_timers_without_tensorboard,
+        on_mismatch=STAND_DOWN, without="every process imports TensorBoard at start-up (about 0.15 s)",
+        when=_no_tensorboard_dir,
         first=True,
     ),
     Patch(
