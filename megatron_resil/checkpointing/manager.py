@@ -102,6 +102,7 @@ class CheckpointManager:
         self.last_saved_iteration: int | None = None
         self.kept_diagnostic: int | None = None  # after a rerun fallback: never overwrite this iteration
         self._load_optim, self._load_rng = config.load_optim, config.load_rng
+        self._rng_shape: tuple[int, ...] | None = None  # the RNG states' layout in the checkpoint loaded
         for tier in (self.save_tier, self.non_persistent_tier):
             if tier is not None:
                 tier.on_staged = on_staged  # fault injection's hook point inside a save
@@ -175,6 +176,7 @@ class CheckpointManager:
         try:  # every rank reads the same common state, so every rank decides the same, in no collective
             progress = state.restore(result.state, self.model, self.optimizer, self.scheduler,
                                      load_optimizer=self._load_optim, load_rng=self._load_rng,
+                                     rng_shape=self._rng_shape,
                                      finetune=self.config.finetune, release=_is_release(result.candidate),
                                      half_precision=self.args.bf16 or self.args.fp16)
         except ScheduleMismatch as err:
@@ -243,12 +245,14 @@ class CheckpointManager:
         self._load_rng = self.config.load_rng and not saved.get("no_save_rng", False)
         if self.config.load_optim and not self._load_optim:
             events.warn(f"{candidate.path} holds no optimizer state (--no-save-optim); starting it fresh")
-        if self._load_rng and (why := _rng_layout_change(saved, self.args)):
+        self._rng_shape = state.saved_rng_shape(candidate.path) if self._load_rng else None
+        if self._load_rng and (why := _rng_layout_change(saved, self.args, self._rng_shape)):
             events.warn(f"{candidate.path} was saved with {why}: RNG states are not restored")
             self._load_rng = False
         return state.build_sharded_state(
             self.model, self.optimizer, self.scheduler, TrainProgress(), self.args,
-            with_optimizer=self._load_optim, with_rng=self._load_rng, metadata=saved_metadata, loading=True)
+            with_optimizer=self._load_optim, with_rng=self._load_rng, metadata=saved_metadata, loading=True,
+            rng_shape=self._rng_shape)
 
     # ---- save ----------------------------------------------------------------------------------
     def maybe_save(self, progress: TrainProgress) -> bool:
@@ -345,14 +349,17 @@ def parallel_layout(args: argparse.Namespace) -> str:
             f"EP {args.expert_model_parallel_size}, {optimizer} optimizer")
 
 
-def _rng_layout_change(saved: dict, args: argparse.Namespace) -> str | None:
+def _rng_layout_change(saved: dict, args: argparse.Namespace,
+                       rng_shape: tuple[int, ...] | None) -> str | None:
     """Why the checkpoint's RNG states do not fit this run, as Megatron-LM decides it: they are kept per
-    tensor- and pipeline-parallel rank (and per data-parallel rank under expert parallelism)."""
+    tensor- and pipeline-parallel rank, and in the layout `rng_shape` (PP, TP, DP) of Megatron-LM core_v0.16
+    under expert parallelism per data-parallel rank too."""
     for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
         if saved.get(flag, 1) != getattr(args, flag):
             return f"--{flag.replace('_', '-')} {saved.get(flag, 1)} (this run: {getattr(args, flag)})"
-    if args.expert_model_parallel_size > 1 and saved.get("data_parallel_size") != args.data_parallel_size:
-        return f"data-parallel size {saved.get('data_parallel_size')} (this run: {args.data_parallel_size})"
+    data_parallel = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    if rng_shape is not None and len(rng_shape) == 3 and rng_shape[2] != data_parallel:
+        return f"RNG states for {rng_shape[2]} data-parallel ranks (this run: {data_parallel})"
     return None
 
 

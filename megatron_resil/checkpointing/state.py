@@ -2,27 +2,32 @@
 args (a Namespace of plain values, consumed samples inside), checkpoint_version, iteration, model (model0,
 model1, ... with virtual pipeline stages), optimizer (megatron-core's own sharded state: the distributed
 optimizer's shards under --use-distributed-optimizer), opt_param_scheduler, rng_state (one ShardedObject per
-pipeline and tensor-parallel rank, as Megatron-LM keys it), rerun_state_machine (None unless saved for
+pipeline and tensor-parallel rank, and per data-parallel rank too under expert parallelism where the matching
+Megatron-LM does so: see `_RNG_BY_DATA_PARALLEL_RANK`), rerun_state_machine (None unless saved for
 exit 16 or 17; see rerun.py) and num_floating_point_operations_so_far. Non-tensor values land in common.pt,
 which loads with torch.load(weights_only=True).
 
 The sharding metadata Megatron-LM records in metadata.json (`content_metadata`: the distributed optimizer's
 sharding type) says how the optimizer state is laid out; a load builds its template from the checkpoint's
-own metadata, so a checkpoint saved with one sharding type loads into a run configured with another.
+own metadata, so a checkpoint saved with one sharding type loads into a run configured with another. The
+RNG states' layout is likewise read from the checkpoint (`saved_rng_shape`), so either Megatron-LM's loads.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import os
+import re
 
 import torch
-from megatron.core import parallel_state
+from megatron.core import package_info, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.safe_globals import register_safe_globals
 from megatron.core.utils import unwrap_model
 
 from megatron_resil import events, parallel, rerun
+from megatron_resil.checkpointing import safe_load, untrusted
 from megatron_resil.checkpointing.tier import CheckpointFormatError
 from megatron_resil.optimizer import apply_overridden_schedule, check_resumed_schedule
 from megatron_resil.progress import TrainProgress
@@ -32,6 +37,15 @@ _PLAIN = (int, float, str, bool, type(None))
 # argparse.Namespace and megatron-core's enums, as safe for torch.load(weights_only=True), which is how
 # megatron-core reads common.pt.
 register_safe_globals()
+# Under expert parallelism Megatron-LM core_v0.16.x keeps one RNG state per pipeline, tensor- and
+# data-parallel rank (PR #2658); every release before it, and core_v0.17.0 on (the revert, #3736), one per
+# pipeline and tensor-parallel rank, as without expert parallelism. Each reads only its own layout. No
+# megatron-core builds this object (Megatron-LM's get_rng_state does, in megatron.training), so nothing
+# can be asked; a Megatron-LM release ships the megatron-core of the same version, which therefore names
+# the Megatron-LM the user runs beside us. A load reads whichever layout the checkpoint holds.
+_RNG_BY_DATA_PARALLEL_RANK = (package_info.MAJOR, package_info.MINOR) == (0, 16)
+# A ShardedObject's key: "<name>/shard_<offsets>_<global shape>", each dotted.
+_RNG_KEY = re.compile(r"rng_state/shard_(\d+(?:\.\d+)*)_(\d+(?:\.\d+)*)")
 
 
 def args_record(args: argparse.Namespace) -> argparse.Namespace:
@@ -61,20 +75,46 @@ def _with_groups(metadata: dict | None) -> dict:
             "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
 
 
-def _rng_object() -> ShardedObject:
+def _by_data_parallel_rank(rng_shape: tuple[int, ...] | None) -> bool:
+    """Whether the RNG states are (or, for a save, `rng_shape` None, will be) kept per data-parallel rank."""
+    if rng_shape is not None:
+        return len(rng_shape) == 3
+    return _RNG_BY_DATA_PARALLEL_RANK and parallel_state.get_expert_model_parallel_world_size() > 1
+
+
+def _rng_object(by_data_parallel_rank: bool) -> ShardedObject:
     """This rank's RNG states, keyed as Megatron-LM keys them: per pipeline and tensor-parallel rank, the
-    data-parallel ranks holding replicas of one state (they draw the same numbers); per data-parallel rank
-    too under expert parallelism."""
+    data-parallel ranks holding replicas of one state; or per data-parallel rank too."""
     pp = parallel_state.get_pipeline_model_parallel_rank()
     tp = parallel_state.get_tensor_model_parallel_rank()
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     dp = parallel_state.get_data_parallel_rank(with_context_parallel=True)
-    if parallel_state.get_expert_model_parallel_world_size() > 1:
+    if by_data_parallel_rank:
         dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
         return ShardedObject("rng_state", [parallel.rng_state()], (pp_size, tp_size, dp_size), (pp, tp, dp),
                              replica_id=0)
     return ShardedObject("rng_state", [parallel.rng_state()], (pp_size, tp_size), (pp, tp), replica_id=dp)
+
+
+def saved_rng_shape(path: str) -> tuple[int, ...] | None:
+    """The global shape of the RNG states' ShardedObject in the checkpoint directory `path`, from its own
+    metadata (the item names in DCP's `.metadata`, read through the allow-list, or zarr's object files):
+    (PP, TP), or (PP, TP, DP) as Megatron-LM core_v0.16 keeps them under expert parallelism. None where it
+    holds no RNG state or `path` is no checkpoint directory (a node-local candidate: saved by this
+    program under this run's parallel layout)."""
+    metadata_path = os.path.join(path, ".metadata")
+    if os.path.isfile(metadata_path):
+        with untrusted.open_regular(metadata_path, untrusted.MAX_METADATA_BYTES, "DCP .metadata") as f:
+            names = list(safe_load.load_metadata(f, metadata_path).state_dict_metadata)
+    elif os.path.isdir(objects := os.path.join(path, "rng_state")):
+        names = [f"rng_state/{name.removesuffix('.pt')}" for name in os.listdir(objects)]
+    else:
+        return None
+    for name in names:
+        if match := _RNG_KEY.fullmatch(name):
+            return tuple(int(size) for size in match.group(2).split("."))
+    return None
 
 
 def _model_keys(model: list) -> list[str]:
@@ -83,9 +123,10 @@ def _model_keys(model: list) -> list[str]:
 
 def build_sharded_state(model: list, optimizer, scheduler, progress: TrainProgress, args: argparse.Namespace,
                         *, with_optimizer: bool, with_rng: bool, metadata: dict | None = None,
-                        loading: bool = False) -> dict:
+                        loading: bool = False, rng_shape: tuple[int, ...] | None = None) -> dict:
     """The sharded state dict to save (`metadata`: this run's `sharding_metadata`) or, with `loading`, the
-    template to load a checkpoint into (`metadata`: the checkpoint's own)."""
+    template to load a checkpoint into (`metadata`: the checkpoint's own; `rng_shape`: its
+    `saved_rng_shape`, None for this program's layout)."""
     metadata = _with_groups(metadata)
     record = args_record(args)
     record.consumed_train_samples = progress.consumed_train_samples
@@ -105,7 +146,7 @@ def build_sharded_state(model: list, optimizer, scheduler, progress: TrainProgre
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=loading, metadata=metadata)
         state["opt_param_scheduler"] = scheduler.state_dict()
     if with_rng:
-        state["rng_state"] = _rng_object()
+        state["rng_state"] = _rng_object(_by_data_parallel_rank(rng_shape))
     return state
 
 
@@ -156,12 +197,33 @@ def rng_for_this_device(saved: dict) -> tuple[dict, list[str]]:
     return rng, translated
 
 
+def _own_expert_stream(saved: dict) -> dict:
+    """`saved` with this rank's own expert-parallel tracker stream in place of the saved one.
+
+    A checkpoint that keeps one RNG state per pipeline and tensor-parallel rank holds, under expert
+    parallelism, data-parallel rank 0's (the replicas' writer). Its other data-parallel ranks drew the same
+    numbers from every stream but the expert-parallel one, which megatron-core seeds from the seed and the
+    expert-parallel (and expert tensor-parallel) rank. Megatron-LM's load_checkpoint hands them rank 0's
+    stream too, so its expert ranks then draw equal numbers. Here every rank keeps its own, as this run
+    seeded it and drew from it to build the model, as the saving run did: megatron-core draws from it only
+    to initialise expert weights (and for Megatron-LM's benchmark-only random router logits, a flag this
+    program does not offer), so the resume is exact and the expert ranks' streams stay distinct."""
+    name = tensor_parallel.get_expert_parallel_rng_tracker_name()
+    own = tensor_parallel.get_cuda_rng_tracker().get_states()
+    trackers = saved["rng_tracker_states"]
+    if name not in own or name not in trackers:
+        return saved
+    return {**saved, "rng_tracker_states": {**trackers, name: own[name]}}
+
+
 def restore(loaded: dict, model: list, optimizer, scheduler, *, load_optimizer: bool, load_rng: bool,
-            finetune: bool, release: bool = False, half_precision: bool = False) -> TrainProgress:
+            finetune: bool, release: bool = False, half_precision: bool = False,
+            rng_shape: tuple[int, ...] | None = None) -> TrainProgress:
     """Apply a loaded checkpoint as Megatron-LM's load_checkpoint does. `finetune` or a `release`
     checkpoint: the weights only, at iteration 0 (no optimizer, scheduler, RNG or rerun state, no consumed
     samples). Without the optimizer state under bf16/fp16, the optimizer's fp32 main parameters are reloaded
     from the loaded weights (else the first step would write its random initial ones back over them).
+    `rng_shape`: the checkpoint's `saved_rng_shape`, as its template was built with.
     Raises ScheduleMismatch, before anything is applied, for a schedule that differs from the checkpoint's
     with neither flag that settles it."""
     weights_only = finetune or release
@@ -197,7 +259,11 @@ def restore(loaded: dict, model: list, optimizer, scheduler, *, load_optimizer: 
         with torch.no_grad():
             optimizer.reload_model_params()
     if load_rng:
-        rng, translated = rng_for_this_device(loaded["rng_state"][0])
+        saved_rng = loaded["rng_state"][0]
+        expert_parallel = parallel_state.get_expert_model_parallel_world_size() > 1
+        if expert_parallel and not _by_data_parallel_rank(rng_shape):
+            saved_rng = _own_expert_stream(saved_rng)
+        rng, translated = rng_for_this_device(saved_rng)
         if translated:
             events.decision("rng", f"the checkpoint's RNG states were written on another kind of device; "
                             f"{' and '.join(translated)} reseeded deterministically from the saved states "

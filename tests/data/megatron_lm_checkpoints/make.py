@@ -3,21 +3,23 @@
 losses our uninterrupted run printed after the save, and what Megatron-LM's `load_checkpoint` made of
 our checkpoints.
 
-For each layout (2 ranks: TP 2 and PP 2 with the distributed optimizer, an MoE with EP 2):
+For each layout (2 ranks: TP 2 and PP 2 with the distributed optimizer, an MoE with EP 2, and the same MoE
+saved by a Megatron-LM that keeps RNG states per (pipeline, tensor) rank under expert parallelism, as
+every release but core_v0.16.x does):
 1. pretrain.py (this interpreter) trains 4 iterations and saves iteration 2; its losses at 3 and 4 are
    recorded.
-2. megatron_side.py runs under torchrun with --megatron-lm-python and Megatron-LM's tree at --commit first
-   on its path: it loads our iteration 2 with megatron-resil's loader, saves it with Megatron-LM's
-   `save_checkpoint` (the committed checkpoint), and loads ours and its own save with Megatron-LM's
-   `load_checkpoint`, comparing every tensor with megatron-resil's load.
+2. megatron_side.py runs under torchrun with --megatron-lm-python and Megatron-LM's tree at --commit
+   (--main-commit for `ep2_moe_main`) first on its path: it loads our iteration 2 with megatron-resil's
+   loader, saves it with Megatron-LM's `save_checkpoint` (the committed checkpoint), and loads ours and
+   its own save with Megatron-LM's `load_checkpoint`, comparing every tensor with megatron-resil's load.
 3. For each --check-commit (e.g. Megatron-LM's main), step 2 again with that tree: verdicts only, nothing
    of it is committed.
 4. engine_state.py loads each Megatron-LM save with megatron-resil's loader and compares every tensor with
    what Megatron-LM held: run by this interpreter and by --our-second-python (the second lane's).
 
     python tests/data/megatron_lm_checkpoints/make.py --megatron-lm-git DIR \\
-        --megatron-lm-python /path/to/python3.12 [--commit core_v0.16.1] [--check-commit HEAD] \\
-        [--our-second-python /path/to/lane2/python]
+        --megatron-lm-python /path/to/python3.12 [--commit core_v0.16.1] [--main-commit HEAD] \\
+        [--check-commit HEAD] [--our-second-python /path/to/lane2/python] [--layout NAME]
 
 --megatron-lm-python needs torch, megatron-core's dependencies and what Megatron-LM's `megatron.training`
 imports (six, regex): give extra packages through PYTHONPATH, which is kept after the tree and this checkout.
@@ -48,13 +50,18 @@ TRAINING = ["--micro-batch-size", "1", "--global-batch-size", "2", "--lr", "1e-3
             "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--mock-data", "--log-interval", "1",
             "--eval-interval", "1000", "--eval-iters", "1", "--train-iters", "4"]
 DISTRIBUTED_OPTIMIZER = ["--use-distributed-optimizer"]
+EP2_MOE = ["--num-layers", "1", "--num-experts", "2", "--moe-router-topk", "2",
+           "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
+           *DISTRIBUTED_OPTIMIZER]
 LAYOUTS = {
     "tp2_distopt": ["--num-layers", "1", "--tensor-model-parallel-size", "2", *DISTRIBUTED_OPTIMIZER],
     "pp2_distopt": ["--num-layers", "2", "--pipeline-model-parallel-size", "2", *DISTRIBUTED_OPTIMIZER],
-    "ep2_moe": ["--num-layers", "1", "--num-experts", "2", "--moe-router-topk", "2",
-                "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
-                *DISTRIBUTED_OPTIMIZER],
+    "ep2_moe": EP2_MOE,
+    "ep2_moe_main": EP2_MOE,
 }
+# Saved by --main-commit rather than --commit: core_v0.16.x keeps the RNG states per data-parallel rank too
+# under expert parallelism, the Megatron-LM of the second lane's megatron-core (0.19) does not.
+SAVED_BY_MAIN = {"ep2_moe_main"}
 TRACKER = "latest_checkpointed_iteration.txt"
 SAVED_AT = 2
 
@@ -133,6 +140,9 @@ def main() -> int:
     parser.add_argument("--megatron-lm-git", required=True, help="a git directory of NVIDIA/Megatron-LM")
     parser.add_argument("--commit", default="core_v0.16.1",
                         help="the Megatron-LM whose save_checkpoint writes the committed checkpoints")
+    parser.add_argument("--main-commit", default="HEAD",
+                        help="the Megatron-LM whose save_checkpoint writes the layouts saved by main "
+                             f"({', '.join(sorted(SAVED_BY_MAIN))})")
     parser.add_argument("--check-commit", action="append", default=[],
                         help="another Megatron-LM to run both ways against ours (verdicts only)")
     parser.add_argument("--megatron-lm-python", required=True, help="a Python with torch (see above)")
@@ -152,11 +162,14 @@ def main() -> int:
         record["ours"]["second"] = _versions(opts.our_second_python, str(REPO))
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        commits = {rev: _tree(opts.megatron_lm_git, rev, tmp / f"tree{i}")
-                   for i, rev in enumerate([opts.commit, *opts.check_commit])}
+        revs = list(dict.fromkeys([opts.commit, opts.main_commit, *opts.check_commit]))
+        commits = {rev: _tree(opts.megatron_lm_git, rev, tmp / f"tree{i}") for i, rev in enumerate(revs)}
+        trees = {rev: tmp / f"tree{i}" for i, rev in enumerate(revs)}
         record["commit"] = {"ref": opts.commit, "sha": commits[opts.commit]}
+        record["main_commit"] = {"ref": opts.main_commit, "sha": commits[opts.main_commit]}
         record["check_commits"] = {rev: commits[rev] for rev in opts.check_commit}
         for name in layouts:
+            saving = opts.main_commit if name in SAVED_BY_MAIN else opts.commit
             flags = [*MODEL, *TRAINING, *LAYOUTS[name]]
             run = tmp / name / "run"
             out = _run(launch.torchrun_cmd([*flags, "--save", str(run), "--save-interval", str(SAVED_AT)]),
@@ -165,17 +178,18 @@ def main() -> int:
             ours = tmp / name / "ours"
             shutil.copytree(run / f"iter_{SAVED_AT:07d}", ours / f"iter_{SAVED_AT:07d}")
             (ours / TRACKER).write_text(f"{SAVED_AT}\n")
-            entry = {"flags": LAYOUTS[name], "losses_after_save": losses, "megatron_lm": {}}
-            for i, rev in enumerate([opts.commit, *opts.check_commit]):
+            entry = {"flags": LAYOUTS[name], "losses_after_save": losses, "megatron_lm": {},
+                     "saved_by": f"{saving} ({commits[saving][:12]})"}
+            for i, rev in enumerate(dict.fromkeys([saving, *opts.check_commit])):
                 side = tmp / name / f"megatron_{i}"
                 side.mkdir()
-                verdict = _megatron_side(opts.megatron_lm_python, tmp / f"tree{i}", flags, ours, side)
+                verdict = _megatron_side(opts.megatron_lm_python, trees[rev], flags, ours, side)
                 if (side / "checkpoint" / TRACKER).exists():
                     for which, python in loaders.items():
                         verdict[f"megatron-resil's load of its save ({which} Python)"] = \
                             _our_load(python, flags, side)
                 entry["megatron_lm"][f"{rev} ({commits[rev][:12]})"] = verdict
-                if rev == opts.commit and (side / "checkpoint" / TRACKER).exists():
+                if rev == saving and (side / "checkpoint" / TRACKER).exists():
                     target = HERE / name
                     shutil.rmtree(target, ignore_errors=True)
                     shutil.copytree(side / "checkpoint", target / "checkpoint")
