@@ -196,11 +196,17 @@ def test_a_problem_upstream_no_longer_has_makes_its_patch_stand_down_with_one_li
     """)
     assert result.returncode == 0, result.stdout + result.stderr
     version = importlib.metadata.version("megatron-core")
-    # Imported before install(): the jit deferral and the timers' hook stand down too, each saying so.
+    from megatron_resil.patches import _source_on_disk
+
+    router_compiles = "@torch.compile" in _source_on_disk("megatron.core.transformer.moe.router")  # 0.19
+    # Imported before install(): the import hooks stand down too, each saying so.
     assert _lines(result) == [
         f"[resil] patch: megatron-core {version}: 'torch.compile deferred in megatron.core.jit' stood down: "
         "megatron.core.jit was imported before patches.install(); every process imports TorchInductor at "
         "start-up (about 2 s)",
+        *([f"[resil] patch: megatron-core {version}: 'torch.compile deferred in megatron.core's MoE router' "
+           "stood down: megatron.core.transformer.moe.router was imported before patches.install(); every "
+           "process imports dynamo at start-up (about 0.5 s)"] if router_compiles else []),
         f"[resil] patch: megatron-core {version}: 'TensorBoard not imported by megatron.core.timers without "
         "--tensorboard-dir' stood down: megatron.core.timers was imported before patches.install(); every "
         "process imports TensorBoard at start-up (about 0.15 s)",

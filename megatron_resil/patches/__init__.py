@@ -35,7 +35,8 @@ from megatron_resil import exit_codes
 
 STOP = "stop"  # without it we would be wrong: exit 2
 STAND_DOWN = "stand down"  # without it we are slower or less tidy, not wrong: go on, say so
-_MODULES = ("stdlib", "megatron_core", "megatron_core_cpu", "torch_dcp", "torch_startup", "nvrx")  # the order of install
+# The order of install.
+_MODULES = ("stdlib", "megatron_core", "megatron_core_cpu", "torch_dcp", "torch_startup", "nvrx")
 _EXIT_CODE = exit_codes.BAD_ARGUMENTS  # the same command on the same installation fails the same way
 
 
@@ -117,13 +118,14 @@ class Takes:
 
 
 def _source_on_disk(module_name: str) -> str:
-    """A module's source, read from its file without importing it (for the jit deferral, which must
-    be in place before megatron-core is imported)."""
-    parent, _, leaf = module_name.rpartition(".")
-    spec = importlib.util.find_spec(parent) if parent else None  # imports `parent`'s parents only
+    """A module's source, read from its file without importing it or its packages (for the records that
+    must be in place before megatron-core is imported): the file is found under the top-level package's
+    directories."""
+    top, *inner = module_name.split(".")
+    spec = importlib.util.find_spec(top)  # a top-level name: found, not imported
     for location in (spec.submodule_search_locations or []) if spec else []:
-        path = os.path.join(location, leaf + ".py")
-        if os.path.isfile(path):
+        path = os.path.join(location, *inner[:-1], inner[-1] + ".py") if inner else None
+        if path is not None and os.path.isfile(path):
             with open(path, encoding="utf-8") as f:
                 return f.read()
     raise LookupError(f"module {module_name} is missing")

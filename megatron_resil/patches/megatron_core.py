@@ -11,7 +11,7 @@ import importlib.machinery
 import sys
 from collections.abc import Callable
 
-from megatron_resil.patches import STAND_DOWN, Has, NotImported, Patch, Says, Takes, _resolve
+from megatron_resil.patches import STAND_DOWN, Has, NotImported, Patch, Says, Takes, _resolve, _source_on_disk
 
 PACKAGE = "megatron-core"
 WRITTEN_FOR = ">=0.16.1,<0.20"
@@ -19,6 +19,7 @@ _DISTRIB_OPTIMIZER = "megatron.core.optimizer.distrib_optimizer:DistributedOptim
 _MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
 _SERIALIZATION = "megatron.core.dist_checkpointing.serialization"
 _COMMON = "megatron.core.dist_checkpointing.strategies.common"
+_ROUTER = "megatron.core.transformer.moe.router"  # imported by every run (pipeline schedules import it)
 _FILESYSTEM_ASYNC = "megatron.core.dist_checkpointing.strategies.filesystem_async"
 _RERUN = "megatron.core.rerun_state_machine"
 
@@ -108,6 +109,16 @@ class _LoaderHook(importlib.abc.MetaPathFinder):
 
 def _defer_jit_compile() -> None:
     sys.meta_path.insert(0, _LoaderHook("megatron.core.jit", _DeferCompileLoader))
+
+
+def _defer_router_compile() -> None:
+    sys.meta_path.insert(0, _LoaderHook(_ROUTER, _DeferCompileLoader))
+
+
+def _router_compiles_nothing_at_import() -> str | None:
+    if "@torch.compile" not in _source_on_disk(_ROUTER):
+        return "its MoE router decorates nothing with torch.compile"
+    return None
 
 
 # ---- the timers without TensorBoard -------------------------------------------------------------------
@@ -330,6 +341,19 @@ PATCHES = (
                                                        on_disk=True)),
         apply=_defer_jit_compile,
         on_mismatch=STAND_DOWN, without="every process imports TorchInductor at start-up (about 2 s)",
+        first=True,
+    ),
+    Patch(
+        name="torch.compile deferred in megatron.core's MoE router",
+        package=PACKAGE, written_for=WRITTEN_FOR,
+        target=f"{_ROUTER}:InferenceTopKRouter",
+        why="0.19's router decorates a method with torch.compile itself (not jit_fuser) as the module is "
+            "imported, which every run does through the pipeline schedules: dynamo imported at start-up "
+            "(about 0.5 s per process) for an inference router training never calls",
+        checks=(NotImported(_ROUTER), Says(_ROUTER, "@torch.compile", on_disk=True)),
+        apply=_defer_router_compile,
+        not_needed=_router_compiles_nothing_at_import, not_needed_on="<0.19",
+        on_mismatch=STAND_DOWN, without="every process imports dynamo at start-up (about 0.5 s)",
         first=True,
     ),
     Patch(
