@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import sys
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state
+from megatron.core import package_info, parallel_state
 from megatron.core.activations import squared_relu
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
@@ -23,6 +24,7 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
+from megatron_resil import exit_codes, parallel
 from megatron_resil.arguments import FLAGS
 from megatron_resil.arguments.flag_table import config_fields, config_kwargs
 from megatron_resil.arguments.model import transformer_engine_available
@@ -150,7 +152,15 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         use_cpu_initialization=args.use_cpu_initialization,
         **fusions(args, torch.cuda.is_available(), FusedKernels.installed()),
     )
-    return config_class(**kwargs)
+    try:
+        return config_class(**kwargs)
+    except (ValueError, AssertionError) as err:  # megatron-core's own checks of the flags' values
+        # Every rank builds the same config from the same flags, so every rank stops here alike.
+        if parallel.rank() == 0:
+            said = str(err).rstrip(".") or type(err).__name__
+            sys.stderr.write(f"pretrain.py: error: megatron-core {package_info.__version__} refuses this "
+                             f"model configuration: {said}; change the flags it names\n")
+        raise SystemExit(exit_codes.BAD_ARGUMENTS) from None
 
 
 _TORCH_NORMS = (WrappedTorchNorm,)

@@ -424,3 +424,18 @@ def test_the_three_example_scripts_train_4_iterations_on_cpu(tmp_path):
     assert "load_balancing_loss:" in outputs["mixtral_8x7b"]
     # --fp16 with a dynamic loss scale: Megatron-LM's adjustment, with its warning.
     assert "check_for_nan_in_loss_and_grad to False since dynamic loss scaling" in outputs["gpt3_175b"]
+
+
+@pytest.mark.slow
+def test_a_configuration_megatron_core_refuses_is_one_line_and_exit_2_on_every_rank(tmp_path):
+    """megatron-core checks some combinations only when its config is built (after the rendezvous): its
+    message, in one line on rank 0, exit 2 (every rank stops there; the launcher may SIGTERM the slower
+    one first), no traceback."""
+    result = launch.run([*launch.TINY_MODEL, *launch.TINY_TRAINING, "--train-iters", "4",
+                         "--num-experts", "2", "--moe-router-topk", "1", "--disable-bias-linear"],
+                        nproc=2, timeout=180)
+    lines = [ln for ln in result.stdout.splitlines() if "refuses this model configuration" in ln]
+    assert len(lines) == 1 and lines[0].startswith("pretrain.py: error: megatron-core ") and \
+        "--moe-router-pre-softmax" in lines[0], result.stdout[-3000:]
+    assert "exitcode  : 2" in result.stdout, result.stdout[-3000:]
+    assert "[rank0]: Traceback" not in result.stdout and "[rank1]: Traceback" not in result.stdout
