@@ -169,3 +169,48 @@ def test_the_loader_rejects_each_planted_checkpoint_and_resumes_from_a_clean_one
         assert named in line, out[-4000:]
     assert "successfully loaded checkpoint from" in out and "at iteration 1" in out
     assert "Traceback" not in out
+
+
+def _saved_as(module_name: str, class_name: str, value) -> bytes:
+    """torch.save bytes of an object whose class the file names as module_name.class_name."""
+    import importlib
+
+    import torch
+
+    module = importlib.import_module(module_name)
+    cls = type(class_name, (), {"__module__": module_name, "__reduce__": lambda self: (type(self), (value,)),
+                                "__init__": lambda self, *args: None})
+    missing = object()
+    original = getattr(module, class_name, missing)
+    setattr(module, class_name, cls)  # for the pickler's lookup by name, while it writes
+    try:
+        buffer = io.BytesIO()
+        torch.save({"scope": cls()}, buffer)
+    finally:
+        if original is missing:
+            delattr(module, class_name)
+        else:
+            setattr(module, class_name, original)
+    return buffer.getvalue()
+
+
+def test_a_megatron_core_class_this_release_lacks_is_a_placeholder_one_it_has_is_still_refused():
+    """A newer Megatron-LM's saved arguments may hold a megatron-core enum an older megatron-core lacks: it
+    reads as a placeholder that keeps the saved value and runs nothing. A class this megatron-core has but
+    a checkpoint never holds, or any other module's, is refused as before."""
+    from megatron_resil.checkpointing import safe_load
+
+    loaded = safe_load.load_weights_only(
+        io.BytesIO(_saved_as("megatron.core.transformer.enums", "NoSuchScope", 3)), "common.pt")
+    scope = loaded["scope"]
+    assert isinstance(scope, safe_load.AbsentUpstreamValue) and scope.args == (3,)
+    assert scope.upstream == "megatron.core.transformer.enums.NoSuchScope"
+
+    from megatron.core.transformer import transformer_config  # present here, and no checkpoint class
+
+    data = _saved_as("megatron.core.transformer.transformer_config", "MLATransformerConfig", 3)
+    assert hasattr(transformer_config, "MLATransformerConfig")
+    with pytest.raises(safe_load.UnsafeCheckpointError, match="MLATransformerConfig"):
+        safe_load.load_weights_only(io.BytesIO(data), "common.pt")
+    with pytest.raises(safe_load.UnsafeCheckpointError, match="collections.NoSuchThing"):
+        safe_load.load_weights_only(io.BytesIO(_saved_as("collections", "NoSuchThing", 3)), "common.pt")

@@ -32,10 +32,12 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import importlib.util
 import io
 import os
 import pickle
 import re
+import sys
 
 import torch
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
@@ -138,14 +140,78 @@ def _only_checkpoint_classes(extra: tuple = ()):
         torch.serialization.add_safe_globals(registered)
 
 
+class AbsentUpstreamValue:
+    """Stands for a value of a megatron-core class the installed megatron-core does not have: a newer
+    release's enum in the saved arguments (Megatron-LM main saves `InferenceCudaGraphScope`, which 0.16
+    lacks). It keeps what was saved and does nothing; `upstream` names the class."""
+
+    upstream = ""
+
+    def __init__(self, *args) -> None:
+        self.args = args
+
+    def __setstate__(self, state) -> None:
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"<{self.upstream}{self.args!r}: absent from this megatron-core>"
+
+
+_MAX_ABSENT = 16  # stand-ins one read may need; a checkpoint naming more is refused as ever
+
+
+def _absent_from_megatron_core(wanted: str) -> bool:
+    """`wanted` ("module.Name") is a megatron-core name this installation lacks (not one it has but the
+    allow-list refuses: that stays refused)."""
+    module, _, attribute = wanted.rpartition(".")
+    if not module.startswith("megatron.core.") or not attribute.isidentifier():
+        return False
+    if module in sys.modules:  # imported already (megatron-core's enums are, by every run)
+        return not hasattr(sys.modules[module], attribute)
+    # Not imported: nothing is imported on a checkpoint's say-so; absent only if its file is.
+    top = importlib.util.find_spec("megatron")
+    parts = module.split(".")[1:]
+    for location in (top.submodule_search_locations or []) if top else []:
+        path = os.path.join(location, *parts)
+        if os.path.isfile(path + ".py") or os.path.isdir(path):
+            return False
+    return True
+
+
 def load_weights_only(file, name: str, extra: tuple = ()):
     """torch.load with weights_only=True (explicitly, so TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD cannot turn it
-    off) and only the classes a checkpoint needs (plus `extra`), a refusal as UnsafeCheckpointError."""
-    try:
-        with _only_checkpoint_classes(extra):
-            return torch.load(file, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        raise _refusal(name, _wanted_class(err)) from None
+    off) and only the classes a checkpoint needs (plus `extra`), a refusal as UnsafeCheckpointError. A
+    megatron-core class the installed megatron-core lacks is read as an AbsentUpstreamValue, said once."""
+    start = file.tell() if hasattr(file, "seek") else None
+    absent: dict[str, type] = {}
+    while True:
+        try:
+            with _only_checkpoint_classes(extra + tuple((cls, wanted) for wanted, cls in absent.items())):
+                loaded = torch.load(file, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as err:
+            wanted = _wanted_class(err)
+            if start is None or wanted in absent or len(absent) >= _MAX_ABSENT or \
+                    not _absent_from_megatron_core(wanted):
+                raise _refusal(name, wanted) from None
+            absent[wanted] = type(wanted.rpartition(".")[2], (AbsentUpstreamValue,), {"upstream": wanted})
+            file.seek(start)
+            continue
+        if absent:
+            _say_absent(name, sorted(absent))
+        return loaded
+
+
+def _say_absent(name: str, classes: list[str]) -> None:
+    from megatron_resil import events
+
+    events.print_rank_0(f"[resil] load: {name} names {', '.join(classes)}, which megatron-core "
+                        f"{core_version()} lacks (a newer release wrote it): kept as placeholders")
+
+
+def core_version() -> str:
+    from megatron.core import package_info
+
+    return package_info.__version__
 
 
 def _is_extra_state(fqn: str) -> bool:
