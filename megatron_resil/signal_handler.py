@@ -12,14 +12,16 @@ load can block where no Python code runs (a stalled file system, a peer stuck in
 watchdog learns of the signal through a wakeup pipe written by the C-level handler, not from the main
 thread.
 
-A signal during a training step that then does not end is the launcher stopping a worker group one of
+A signal after which the training loop does not move on is the launcher stopping a worker group one of
 whose ranks is gone (killed, or stopped and killed by its rank monitor): this rank waits in a collective
-for a peer that will never answer, its loop never asks whether to save, and its launcher waits out its
-stop timeout (30 s for torchrun and ft_launcher) before SIGKILL. A step that outlasts the signal by
-STUCK_STEP_FACTOR times the slowest step this process has taken (at least STUCK_STEP_MIN_SECS) is
+(the step's, or the agreement on whether to save) for a peer that will never answer, and its launcher
+waits out its stop timeout (30 s for torchrun and ft_launcher) before SIGKILL. When, since the signal, the
+loop has passed no point of progress (a step's start or end, the end of a save or an evaluation) for
+STUCK_STEP_FACTOR times the slowest step this process has taken (at least STUCK_STEP_MIN_SECS), it is
 blocked: the watchdog ends the process with one line and exit code 6 (no save could be agreed; the
-previous checkpoint is intact). Saves and evaluation are not steps: a preemption signal mid-save lets it
-finish.
+previous checkpoint is intact). Saves and evaluation are exempt while they run (a preemption signal
+mid-save lets it finish), and once the ranks have agreed to stop, the save that follows has only the
+grace deadline.
 """
 
 from __future__ import annotations
@@ -52,8 +54,10 @@ class ExitSignalHandler:
         self.count = 0
         self.first_received_at: float | None = None
         self._first = threading.Event()
-        self._step_began: float | None = None  # the step running now, if one is
+        self._progress_at: float | None = None  # the loop's last point of progress
         self._slowest_step: float | None = None  # of the steps this process has taken
+        self._waiting = 0  # inside a save or an evaluation: not judged
+        self._agreed = False  # the ranks agreed to stop: the watchdog no longer judges progress
 
     @property
     def received(self) -> bool:
@@ -110,7 +114,7 @@ class ExitSignalHandler:
                            f"exiting with code {exit_codes.SIGNAL_DEADLINE}",
                            exit_codes.SIGNAL_DEADLINE)
             if (blocked := self._blocked_for(now)) is not None:
-                self._exit(f"{self.signal_name} received during a training step that has not ended "
+                self._exit(f"{self.signal_name} received, and the training loop has not moved on "
                            f"{blocked:.1f}s later (its slowest step: {self._slowest_step:.2f}s): it waits in "
                            "a collective for a rank that is gone, so no save can be agreed; the previous "
                            f"checkpoint is intact; exiting with code {exit_codes.SIGNAL_DEADLINE}",
@@ -118,23 +122,36 @@ class ExitSignalHandler:
             time.sleep(_WATCH_EVERY_SECS)
 
     def _blocked_for(self, now: float) -> float | None:
-        """Seconds the current step has run since the signal, once that is past the stuck-step bound."""
-        began, slowest = self._step_began, self._slowest_step
-        if began is None or slowest is None:  # not in a step, or none taken yet to compare with
-            return None
-        running = now - max(began, self.first_received_at)
-        return running if running > max(STUCK_STEP_MIN_SECS, STUCK_STEP_FACTOR * slowest) else None
+        """Seconds without progress since the signal, once that is past the stuck bound."""
+        if self._agreed or self._waiting or self._progress_at is None or self._slowest_step is None:
+            return None  # agreed, exempt, or no step taken yet to compare with
+        still = now - max(self._progress_at, self.first_received_at)
+        return still if still > max(STUCK_STEP_MIN_SECS, STUCK_STEP_FACTOR * self._slowest_step) else None
 
     @contextlib.contextmanager
     def stepping(self):
-        """Wraps a training step: its duration, and whether one is running, for the stuck-step bound."""
-        began = self._step_began = time.monotonic()
+        """Wraps a training step: its start and end are progress, its duration the stuck bound's unit."""
+        began = self._progress_at = time.monotonic()
         try:
             yield
         finally:
-            self._step_began = None
-            took = time.monotonic() - began
+            self._progress_at = time.monotonic()
+            took = self._progress_at - began
             self._slowest_step = took if self._slowest_step is None else max(self._slowest_step, took)
+
+    @contextlib.contextmanager
+    def waiting(self):
+        """Wraps a save or an evaluation: not judged while it runs (each has its own bounds)."""
+        self._waiting += 1
+        try:
+            yield
+        finally:
+            self._waiting -= 1
+            self._progress_at = time.monotonic()
+
+    def agreed(self) -> None:
+        """The ranks agreed to stop on the signal: what follows is the save, under the grace deadline."""
+        self._agreed = True
 
     _loading = False
 
@@ -196,5 +213,10 @@ def loading():
 
 
 def stepping():
-    """Wraps a training step: with --exit-signal-handler, a step blocked after a signal ends the process."""
+    """Wraps a training step: with --exit-signal-handler, a loop blocked after a signal ends the process."""
     return _installed.stepping() if _installed is not None else contextlib.nullcontext()
+
+
+def waiting():
+    """Wraps a save or an evaluation: exempt from the stuck bound while it runs."""
+    return _installed.waiting() if _installed is not None else contextlib.nullcontext()

@@ -38,12 +38,14 @@ class StopConditions:
     def signalled(self, iteration: int) -> Stop | None:
         """Before the first iteration: a signal that arrived during set-up or the load."""
         if self.signals is not None and parallel.any_rank(self.signals.received):
+            self.signals.agreed()
             return Stop(f"{self.signals.signal_name} received (on at least one rank) during set-up, before "
                         f"iteration {iteration + 1}", exit_codes.SIGNAL_SAVED, requeue=True)
         return None
 
     def check(self, iteration: int) -> Stop | None:
         if self.signals is not None and parallel.any_rank(self.signals.received):
+            self.signals.agreed()  # every rank answered: none is gone
             return Stop(f"{self.signals.signal_name} received (on at least one rank) by iteration "
                         f"{iteration}", exit_codes.SIGNAL_SAVED, requeue=True)
         if self.exit_interval and iteration % self.exit_interval == 0:

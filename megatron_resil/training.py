@@ -203,18 +203,20 @@ def train(args, model, optimizer, scheduler, checkpoints, progress: TrainProgres
         if (stop := _housekeeping(args, model, progress.iteration)) is not None:
             break  # the replicas' weights differ: the run ends before any save (weight_hashes.py)
         if valid_ds is not None and args.eval_iters and progress.iteration % args.eval_interval == 0:
-            with _collected_around(args.manual_gc and args.manual_gc_eval):
+            with _collected_around(args.manual_gc and args.manual_gc_eval), signal_handler.waiting():
                 logger.validation(progress.iteration, evaluate(args, model, valid_ds, progress),
                                   progress.consumed_train_samples)
             logger.restart_interval()
-        if ft.checkpointing(checkpoints.maybe_save, progress):
-            logger.restart_interval()
+        with signal_handler.waiting():  # a save is not judged by the stuck-loop bound: it has its own
+            if ft.checkpointing(checkpoints.maybe_save, progress):
+                logger.restart_interval()
         stop = stragglers.report(progress.iteration) or stops.check(progress.iteration)
         if stop is not None:
             events.decision("exit", f"{stop.reason}; saving and exiting with code {stop.exit_code}",
                             iteration=progress.iteration, exit_code=stop.exit_code, requeue=stop.requeue)
             break
-    ft.checkpointing(rerun.final_save(checkpoints, stop), progress, final=True)
+    with signal_handler.waiting():
+        ft.checkpointing(rerun.final_save(checkpoints, stop), progress, final=True)
     if args.manual_gc:
         gc.enable()  # an in-process restart runs the next attempt in this process
     stragglers.close()
