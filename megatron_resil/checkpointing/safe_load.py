@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import importlib.util
 import io
 import os
 import pickle
@@ -48,6 +47,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from megatron_resil.checkpointing import untrusted
 from megatron_resil.checkpointing.tier import CheckpointDataError
+from megatron_resil.module_files import module_path
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 _DCP_PLANNER = "torch.distributed.checkpoint.planner"
@@ -168,14 +168,7 @@ def _absent_from_megatron_core(wanted: str) -> bool:
         return False
     if module in sys.modules:  # imported already (megatron-core's enums are, by every run)
         return not hasattr(sys.modules[module], attribute)
-    # Not imported: nothing is imported on a checkpoint's say-so; absent only if its file is.
-    top = importlib.util.find_spec("megatron")
-    parts = module.split(".")[1:]
-    for location in (top.submodule_search_locations or []) if top else []:
-        path = os.path.join(location, *parts)
-        if os.path.isfile(path + ".py") or os.path.isdir(path):
-            return False
-    return True
+    return module_path(module) is None  # not imported: nothing is, on a checkpoint's say-so
 
 
 def load_weights_only(file, name: str, extra: tuple = ()):

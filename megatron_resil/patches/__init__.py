@@ -32,6 +32,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from megatron_resil import exit_codes
+from megatron_resil.module_files import module_path
 
 STOP = "stop"  # without it we would be wrong: exit 2
 STAND_DOWN = "stand down"  # without it we are slower or less tidy, not wrong: go on, say so
@@ -119,16 +120,12 @@ class Takes:
 
 def _source_on_disk(module_name: str) -> str:
     """A module's source, read from its file without importing it or its packages (for the records that
-    must be in place before megatron-core is imported): the file is found under the top-level package's
-    directories."""
-    top, *inner = module_name.split(".")
-    spec = importlib.util.find_spec(top)  # a top-level name: found, not imported
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        path = os.path.join(location, *inner[:-1], inner[-1] + ".py") if inner else None
-        if path is not None and os.path.isfile(path):
-            with open(path, encoding="utf-8") as f:
-                return f.read()
-    raise LookupError(f"module {module_name} is missing")
+    must be in place before megatron-core is imported)."""
+    path = module_path(module_name)
+    if path is None or not path.endswith(".py"):
+        raise LookupError(f"module {module_name} is missing")
+    with open(path, encoding="utf-8") as f:
+        return f.read()
 
 
 @dataclass(frozen=True)
