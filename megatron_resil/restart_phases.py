@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import stat
 import time
 
@@ -52,8 +53,15 @@ EVENT = "restart_phases"
 FAULTS_DIR = ".injected_faults"  # fault_injection.py's strike records
 
 _TAIL_BYTES = 4 << 20  # of the event log and the launcher's log: enough for an attempt's set-up
-_LAUNCHER_LINE = re.compile(  # NVRx 0.4's format: [%(asctime)s] [%(levelname)s] [ft_launcher<pid>@<host>] ...
+# ft_launcher's own log lines, in the two formats NVRx has used. Each names its launcher differently:
+# NVRx 0.4, [%(asctime)s] [%(levelname)s] [ft_launcher<pid>@<host>] ..., by its pid; NVRx 0.7 (one launcher
+# per node, enforced), "%(asctime)s [%(levelname)s] [<host>] [workload:.. infra:<SLURM_PROCID or ?>(..)]
+# <file>:<line> ...", optionally after a "<rank>: " prefix, by host and Slurm task.
+_LAUNCHER_LINE_PID = re.compile(
     r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})\] \[\w+\] \[ft_launcher(\d+)@[^\]]*\] (.*)$", re.MULTILINE)
+_LAUNCHER_LINE_HOST = re.compile(
+    r"^(?:\S+: )?(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) \[\w+\] \[([^\]]*)\] "
+    r"\[workload:\S* infra:([^(\]]*)\([^)]*\)\] \S+:\d+ (.*)$", re.MULTILINE)
 
 _process_marks: dict[str, float] = {}  # once per process: when the interpreter reached our code
 _marks: dict[str, float] = {}  # this attempt's boundaries
@@ -247,24 +255,37 @@ def _stderr_text() -> str:
         return ""
 
 
-def launcher_decisions(text: str, launcher_pid: int, after: float, before: float) -> dict[str, float]:
-    """From ft_launcher `launcher_pid`'s own log lines in `text` (it writes them with millisecond local
-    timestamps): `decision`, its last "will restart worker group" in (after, before]; `teardown`, the
-    first "attempts to join the next round" after it; `rendezvous`, the first "has joined round" after
-    that. Empty where the lines are not there (FT_LAUNCHER_LOGLEVEL above INFO, another launcher)."""
+def _launcher_lines(text: str, launcher_pid: int, host: str, slurm_task: str):
+    """(timestamp, milliseconds, message) of each of this launcher's lines, in either format."""
+    for match in _LAUNCHER_LINE_PID.finditer(text):
+        if int(match.group(3)) == launcher_pid:
+            yield match.group(1), match.group(2), match.group(4)
+    for match in _LAUNCHER_LINE_HOST.finditer(text):
+        if match.group(3) == host and match.group(4) == slurm_task:
+            yield match.group(1), match.group(2), match.group(5)
+
+
+def launcher_decisions(text: str, launcher_pid: int, after: float, before: float, host: str | None = None,
+                       slurm_task: str | None = None) -> dict[str, float]:
+    """From this rank's ft_launcher's own log lines in `text` (it writes them with millisecond local
+    timestamps; NVRx 0.4 names the launcher by `launcher_pid`, NVRx 0.7 by `host` and `slurm_task`, by
+    default this host and SLURM_PROCID): `decision`, its last "will restart worker group" in
+    (after, before]; `teardown`, the first "attempts to join the next round" after it; `rendezvous`, the
+    first "has joined" (round N of, 0.4; the rendezvous, 0.7) after that. Empty where the lines are not
+    there (FT_LAUNCHER_LOGLEVEL above INFO, another launcher)."""
+    host = socket.gethostname() if host is None else host
+    task = os.environ.get("SLURM_PROCID", "?") if slurm_task is None else slurm_task
     lines = []
-    for match in _LAUNCHER_LINE.finditer(text):
-        if int(match.group(3)) != launcher_pid:
-            continue
-        when = time.mktime(time.strptime(match.group(1), "%Y-%m-%d %H:%M:%S")) + int(match.group(2)) / 1000
+    for stamp, millis, message in _launcher_lines(text, launcher_pid, host, task):
+        when = time.mktime(time.strptime(stamp, "%Y-%m-%d %H:%M:%S")) + int(millis) / 1000
         if after < when <= before + 0.02:  # `before`, a process's creation, is known to 10 ms
-            lines.append((when, match.group(4)))
+            lines.append((when, message))
     found: dict[str, float] = {}
     decisions = [when for when, message in lines if "will restart worker group" in message]
     if not decisions:
         return found
     found["decision"] = decisions[-1]
-    for key, needle in (("teardown", "attempts to join the next round"), ("rendezvous", "has joined round")):
+    for key, needle in (("teardown", "attempts to join the next round"), ("rendezvous", "has joined ")):
         floor = max(found.values())
         later = [when for when, message in lines if needle in message and when >= floor]
         if not later:

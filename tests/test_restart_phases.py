@@ -61,6 +61,27 @@ def test_the_launchers_decision_teardown_and_rendezvous_come_from_its_own_log_li
     assert restart_phases.launcher_decisions("", 42, after=t0, before=t0 + 9.5) == {}  # stderr not a file
 
 
+def _launcher_log_07(host: str, task: str, at: float, message: str) -> str:
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at)) + f",{int(at * 1000) % 1000:03d}"
+    return f"{stamp} [INFO] [{host}] [workload:?(?) infra:{task}(0)] launcher.py:718 {message}"
+
+
+def test_nvrx_07_lines_are_told_apart_by_host_and_slurm_task():
+    """NVRx 0.7's format names no pid: two launchers' lines in one Slurm output differ by their task."""
+    t0 = math.floor(time.time()) - 100.0
+    joined = "The node 'n_42_0' has joined the rendezvous 'x' as rank 0 in a world of size 2."
+    lines = [_launcher_log_07("node", "1", t0 + 1.0, RESTART.format("FAILED", 2)),
+             _launcher_log_07("node", "0", t0 + 1.1, RESTART.format("FAILED", 2)),
+             "0: " + _launcher_log_07("node", "0", t0 + 1.4, JOIN),  # a file handler's rank prefix
+             _launcher_log_07("node", "1", t0 + 1.2, JOIN),
+             _launcher_log_07("other", "0", t0 + 1.5, joined),
+             _launcher_log_07("node", "0", t0 + 1.7, joined)]
+    found = restart_phases.launcher_decisions("\n".join(lines), 42, after=t0, before=t0 + 3.0, host="node",
+                                              slurm_task="0")
+    assert found == {"decision": pytest.approx(t0 + 1.1), "teardown": pytest.approx(t0 + 1.4),
+                     "rendezvous": pytest.approx(t0 + 1.7)}
+
+
 def test_a_boundary_not_measured_merges_its_phases_and_the_total_stays_whole():
     marks = dict(zip(restart_phases.BOUNDARIES, [100.0, None, None, 103.0, 106.0, 106.5, 107.0, 107.25, 108.0,
                                                  108.5, 109.0], strict=True))
