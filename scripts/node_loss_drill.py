@@ -148,7 +148,10 @@ class Drill:
 
     def start_node(self, node: int, log_name: str) -> subprocess.Popen:
         env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
-               "MASTER_ADDR": "127.0.0.1", "PYTHONUNBUFFERED": "1", "TORCH_CPP_LOG_LEVEL": "error"}
+               "MASTER_ADDR": "127.0.0.1", "PYTHONUNBUFFERED": "1", "TORCH_CPP_LOG_LEVEL": "error",
+               # Two "nodes" on one host: NVRx 0.7 closes a rendezvous that has two launchers on one
+               # address unless told that this is a simulation.
+               "NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE": "1"}
         cmd = [sys.executable, "-m", "nvidia_resiliency_ext.fault_tolerance.launcher",
                "--nnodes", str(NODES), "--nproc-per-node", str(RANKS_PER_NODE), "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", f"drill-{self.variant}",
