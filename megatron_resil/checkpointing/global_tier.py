@@ -242,7 +242,7 @@ class GlobalTier(CheckpointTier):
                 if self.verify_integrity:  # each rank hashes what it wrote; rank 0 the rest, at publish
                     megatron_integrity.add_sha256(staging, own)
         except (Exception, CheckpointException) as err:  # DCP's is a BaseException
-            failure = _one_line(err)
+            failure = said_if_full(_one_line(err), self.root)
         outcomes = parallel.all_gather_object((own, failure))  # also: every rank's shards are written
         failed = [(rank, why) for rank, (_, why) in enumerate(outcomes) if why is not None]
         if failed:
@@ -267,7 +267,7 @@ class GlobalTier(CheckpointTier):
                                                   validate_access_integrity=validate,
                                                   content_metadata=self.content_metadata, **_MCORE_ASYNC)
         except (Exception, CheckpointException) as err:  # DCP's is a BaseException
-            failure = _one_line(err)
+            failure = said_if_full(_one_line(err), self.root)
         failed = [(rank, why) for rank, why in enumerate(parallel.all_gather_object(failure)) if why]
         if failed:
             self.abandon(staging)
@@ -431,6 +431,26 @@ def write_own_shards(rank: int, staging: str, write_fn, preload_fn, write_args, 
     if sha256:
         megatron_integrity.add_sha256(staging, own)
     return own
+
+
+_FULL_BELOW_BYTES = 1 << 20
+
+
+def said_if_full(reason: str, directory: str) -> str:
+    """`reason` a write failed for, with the file system's state where it is full. A full disk does not
+    always say so: megatron-core 0.19 writes through torch's zip writer, which reports a short write as
+    "unexpected pos 704 vs 598" and drops the ENOSPC behind it."""
+    if "No space left on device" in reason or "Disk quota exceeded" in reason:
+        return reason
+    try:
+        fs = os.statvfs(directory)
+    except OSError:
+        return reason
+    free = fs.f_bavail * fs.f_frsize
+    if free >= _FULL_BELOW_BYTES and not (fs.f_files and fs.f_favail == 0):
+        return reason
+    return (f"{reason} (No space left on device: the file system of {directory} has {free} bytes and "
+            f"{fs.f_favail} inodes free)")
 
 
 def _one_line(err: BaseException) -> str:
