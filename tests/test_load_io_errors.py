@@ -86,9 +86,11 @@ def test_io_errors_on_load_are_retried_then_the_candidate_is_skipped_never_quara
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
 
 
-def _read_by_one_rank_only(checkpoint) -> str:
-    """A shard file that only rank 1 reads while verifying: its checksum is rank 1's share of the
-    manifest, and it holds no object item (those every rank reads)."""
+def _read_by_one_rank_only(checkpoint) -> tuple[str, int]:
+    """A shard file that one rank alone reads while verifying (its checksum is that rank's share of the
+    manifest) and that holds no object item (every rank reads those: the common state is one), and that
+    rank. Which shard file holds the object items depends on the megatron-core release (0.19 puts them
+    all into rank 0's), so which rank stalls does too."""
     import json
     import pickle
 
@@ -98,8 +100,8 @@ def _read_by_one_rank_only(checkpoint) -> str:
     with_objects = {s.relative_path for i, s in metadata.storage_data.items()
                     if isinstance(metadata.state_dict_metadata[i.fqn], BytesStorageMetadata)}
     files = sorted(json.loads((checkpoint / "resil_manifest.json").read_text())["files"])
-    return next(name for position, name in enumerate(files)
-                if position % 2 == 1 and name.endswith(".distcp") and name not in with_objects)
+    return next((name, position % 2) for position, name in enumerate(files)
+                if name.endswith(".distcp") and name not in with_objects)
 
 
 def _rank_of(pid: int) -> int:
@@ -108,17 +110,19 @@ def _rank_of(pid: int) -> int:
 
 
 def test_sigterm_during_a_load_stalled_on_storage_ends_the_job(trained, tmp_path):
-    """Rank 1's read never returns (a hung storage server) and rank 0 waits for it in a collective, where
-    no Python code runs. Slurm's SIGTERM reaches both: rank 0 ends at once (exit 5, nothing to save, one
-    line, an exit record). Before, it waited as long as the storage did. Rank 1 sleeps in the kernel,
-    where not even SIGKILL reaches it until the storage answers (here: its server is killed)."""
+    """One rank's read never returns (a hung storage server) and the other waits for it in a collective,
+    where no Python code runs. Slurm's SIGTERM reaches both: the waiting rank ends at once (exit 5, nothing
+    to save, one line). Before, it waited as long as the storage did. The stalled rank sleeps in the
+    kernel, where not even SIGKILL reaches it until the storage answers (here: its server is killed); then
+    it ends the same way. The exit record is rank 0's, whichever of the two it is."""
     import json
     import signal
 
     from tests.test_exit_signal import _handles_sigterm, _rank_pids
     mnt, save, fuse_log = tmp_path / "mnt", tmp_path / "ckpt", tmp_path / "flaky_fs.log"
     log = tmp_path / "run.log"
-    stalled = f"/iter_0000004/{_read_by_one_rank_only(trained / 'iter_0000004')}"
+    name, stalled_rank = _read_by_one_rank_only(trained / 'iter_0000004')
+    stalled, waiting_rank = f"/iter_0000004/{name}", 1 - stalled_rank
     proc = _mount_flaky(trained, mnt, stalled, 0, fuse_log, stall=True)
     run = launch.start([*_args(mnt, save, 6), "--exit-signal-handler"], log_path=log)
     try:
@@ -128,13 +132,13 @@ def test_sigterm_during_a_load_stalled_on_storage_ends_the_job(trained, tmp_path
             time.sleep(0.2)
         ranks = {_rank_of(pid): pid for pid in _rank_pids(run.pid)}
         assert sorted(ranks) == [0, 1] and all(_handles_sigterm(pid) for pid in ranks.values())
-        time.sleep(1)  # rank 0 reaches the collective that waits for rank 1
+        time.sleep(1)  # the other rank reaches the collective that waits for the stalled one
         signalled = time.monotonic()
         for pid in ranks.values():  # as Slurm signals every process of the step
             os.kill(pid, signal.SIGTERM)
-        while os.path.exists(f"/proc/{ranks[0]}") and time.monotonic() - signalled < 60:
+        while os.path.exists(f"/proc/{ranks[waiting_rank]}") and time.monotonic() - signalled < 60:
             time.sleep(0.1)
-        rank0_ended_after = time.monotonic() - signalled
+        waiting_rank_ended_after = time.monotonic() - signalled
     finally:
         proc.kill()  # the storage server goes: the stalled read fails and rank 1 can die
         _unmount(proc, mnt)
@@ -147,7 +151,7 @@ def test_sigterm_during_a_load_stalled_on_storage_ends_the_job(trained, tmp_path
     out = log.read_text()
     said = "[resil] exit: SIGTERM received while loading the checkpoint; nothing trained since"
     assert said in out, out[-3000:]
-    assert rank0_ended_after < 10, (rank0_ended_after, out[-3000:])
+    assert waiting_rank_ended_after < 10, (waiting_rank, waiting_rank_ended_after, out[-3000:])
     exits = [json.loads(x) for x in (save / "events.jsonl").read_text().splitlines() if '"exit"' in x]
     assert exits and exits[-1]["exit_code"] == 5, exits
     assert not (save / "latest_checkpointed_iteration.txt").exists()
