@@ -50,6 +50,10 @@ _CUDA_STEP_TIMEOUT = datetime.timedelta(seconds=10)
 _MESSAGE_CHARS = 500  # of an exception's message, in the restart line
 _EXIT_RECORDED = "exit_recorded"
 _EXIT_RECORD_TIMEOUT = datetime.timedelta(seconds=60)
+# NVRx 0.5 and later chain checks of their own after the Wrapper's health_check and run them before every
+# restart (the Wrapper's `restart_health_check`; 0.4.1 has neither): one each for the GPU, its NVLinks and
+# its InfiniBand NIC, the GPU being LOCAL_RANK's. All three read the GPU through NVML.
+_NVRX_GPU_HEALTH_CHECKS = ("ChainedGPUHealthCheck", "ChainedNVLHealthCheck", "ChainedNicHealthCheck")
 
 
 def run(pretrain: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
@@ -61,7 +65,9 @@ def run(pretrain: Callable[[argparse.Namespace], int], args: argparse.Namespace)
                           timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
                           wait_for_workers=True)
     attempts = Attempts(pretrain, args, store)
-    wrapped = _wrapper(args, port, attempts)(attempts.run)
+    wrapper = _wrapper(args, port, attempts)
+    attempts.health_checks_left_out = _leave_out_gpu_health_checks(wrapper)
+    wrapped = wrapper(attempts.run)
     try:
         return wrapped()
     except RestartAbort as err:  # NVRx's "no more attempts", raised on every rank
@@ -118,6 +124,22 @@ def _wrapper(args: argparse.Namespace, master_port: int, attempts: "Attempts") -
     )
 
 
+def _leave_out_gpu_health_checks(wrapper: inprocess.Wrapper) -> tuple[str, ...]:
+    """Without CUDA, drop NVRx's own GPU checks from those it runs before a restart, and return their names.
+    On a host without a GPU there is no NVML: the NVLink check raises NVMLError and the GPU check reports
+    the GPU unhealthy, so every rank would end with HealthCheckError at the first restart. With CUDA they
+    all stay. This is the one place that knows whether this NVRx has them (by the Wrapper's attribute)."""
+    chained = getattr(wrapper, "restart_health_check", None)
+    if chained is None or torch.cuda.is_available():
+        return ()
+    gpu_checks = tuple(getattr(inprocess.health_check, name) for name in _NVRX_GPU_HEALTH_CHECKS
+                       if hasattr(inprocess.health_check, name))
+    checks = getattr(chained, "instances", (chained,))  # a Compose, or a single check
+    kept = [check for check in checks if not isinstance(check, gpu_checks)]
+    wrapper.restart_health_check = inprocess.Compose(*kept) if kept else None
+    return tuple(type(check).__name__ for check in checks if isinstance(check, gpu_checks))
+
+
 @dataclass(frozen=True)
 class Failure:
     """Why an attempt ended, as rank 0 reports it."""
@@ -138,6 +160,7 @@ class Attempts:
         self.started = 0  # attempts begun
         self.first_pids: list[int] | None = None
         self.failure: Failure | None = None  # rank 0: why the last attempt ended
+        self.health_checks_left_out: tuple[str, ...] = ()  # NVRx's GPU checks, on a host without CUDA
 
     def run(self, call_wrapper: inprocess.CallWrapper | None = None) -> int:
         """One attempt. NVRx fills in the parameter annotated with its CallWrapper and checks every
@@ -217,11 +240,15 @@ class Attempts:
 
     def _log_setup(self, pids: list[int] | None) -> None:
         a = self.args
+        left_out = self.health_checks_left_out
+        checks = (f"; NVRx's health checks {', '.join(left_out)} left out of the checks before a restart: "
+                  "no CUDA here, and they read the GPU through NVML" if left_out else "")
         events.decision("inprocess", "in-process restart on: a failure on any rank restarts training on "
                         "every rank in the same processes, from the newest checkpoint; "
                         f"{self._limit_text()}; soft timeout {a.inprocess_soft_timeout:g} s, hard timeout "
-                        f"{a.inprocess_hard_timeout:g} s",
-                        pids=pids, max_iterations=a.inprocess_max_iterations)
+                        f"{a.inprocess_hard_timeout:g} s{checks}",
+                        pids=pids, max_iterations=a.inprocess_max_iterations,
+                        health_checks_left_out=list(left_out))
 
     def _log_restart(self, attempt: int, pids: list[int] | None) -> None:
         if not parallel.is_rank0():

@@ -38,6 +38,18 @@ def _named(events: list[dict], name: str) -> list[dict]:
     return [e for e in events if e["event"] == name]
 
 
+def _nvrx_gpu_health_checks_left_out() -> list[str]:
+    """The checks this NVRx adds of its own before a restart, all GPU ones (none in 0.4.1), where there is
+    no CUDA; none where there is."""
+    import torch
+    from nvidia_resiliency_ext.inprocess import health_check
+
+    if torch.cuda.is_available():
+        return []
+    return [name for name in ("ChainedGPUHealthCheck", "ChainedNVLHealthCheck", "ChainedNicHealthCheck")
+            if hasattr(health_check, name)]
+
+
 @pytest.mark.slow
 def test_exception_on_one_rank_restarts_every_rank_in_the_same_processes_and_the_run_completes(tmp_path):
     save = tmp_path / "ckpt"
@@ -59,6 +71,9 @@ def test_exception_on_one_rank_restarts_every_rank_in_the_same_processes_and_the
     # The same processes: every attempt starts in the processes torchrun started first.
     [setup] = _named(events, "inprocess")
     assert len(set(setup["pids"])) == 2 and restart["pids"] == setup["pids"]
+    # NVRx's own GPU checks before a restart (NVRx >= 0.5) cannot run without a GPU: left out, and said so.
+    assert setup["health_checks_left_out"] == _nvrx_gpu_health_checks_left_out(), setup
+    assert ("no CUDA here" in setup["message"]) == bool(setup["health_checks_left_out"]), setup["message"]
     starts = _named(events, "start")
     assert len(starts) == 2 and starts[0]["pid"] == starts[1]["pid"] == setup["pids"][0]
 
