@@ -10,12 +10,12 @@ import socket
 from pathlib import Path
 
 import pytest
-import torch
 from megatron.core.rerun_state_machine import RerunState
 
 from megatron_resil import patches
 from megatron_resil.arguments import parse_args
 from megatron_resil.checkpointing import layout
+from megatron_resil.checkpointing.safe_load import CommonLoadWeightsOnly
 from tests import launch
 
 pytestmark = pytest.mark.slow
@@ -32,8 +32,10 @@ def _saving(root: Path) -> list[str]:
 
 
 def _machine_state(root: Path, iteration: int) -> dict | None:
-    patches.install()  # as pretrain.py does: the machine's enums load with torch.load(weights_only=True)
-    common = torch.load(Path(layout.iteration_dir(str(root), iteration)) / "common.pt", weights_only=True)
+    # As pretrain.py does: the machine's enums load weights-only, and megatron-core 0.19's common state
+    # (inside the shards, not in common.pt) is read through DCP with the allow-lists in place.
+    patches.install()
+    common = CommonLoadWeightsOnly().load_common(layout.iteration_dir(str(root), iteration))
     return common["rerun_state_machine"]
 
 
