@@ -42,11 +42,24 @@ def _plant_in_metadata(ckpt: Path, marker: Path) -> str:
 
 
 def _plant_in_common(ckpt: Path, marker: Path) -> str:
+    """Plants in the common state wherever the checkpoint keeps it: common.pt (megatron-core 0.16 and
+    Megatron-LM before it) or, with megatron-core 0.19, the "common_state" byte item inside the shards
+    (a torch.save of a one-element list holding the dict). Returns the name a refusal gives it."""
     import torch
-    common = torch.load(ckpt / "common.pt", weights_only=False)  # the test's own, trusted copy
+
+    from megatron_resil.checkpointing.safe_load import COMMON_STATE_KEY
+    if (ckpt / "common.pt").exists():
+        common = torch.load(ckpt / "common.pt", weights_only=False)  # the test's own, trusted copy
+        common["planted"] = _Planted(marker)
+        torch.save(common, ckpt / "common.pt")
+        return "common.pt"
+    stored = next(s for i, s in _metadata(ckpt).storage_data.items() if i.fqn == COMMON_STATE_KEY)
+    with open(ckpt / stored.relative_path, "rb") as f:
+        f.seek(stored.offset)
+        (common,) = torch.load(io.BytesIO(f.read(stored.length)), weights_only=False)  # trusted, as above
     common["planted"] = _Planted(marker)
-    torch.save(common, ckpt / "common.pt")
-    return "common.pt"
+    replace_byte_item(ckpt, lambda fqn: fqn == COMMON_STATE_KEY, [common])
+    return f"{stored.relative_path} (item {COMMON_STATE_KEY})"
 
 
 def _plant_in_byte_item(ckpt: Path, marker: Path, fqn_prefix: str = "rng_state") -> str:
@@ -153,20 +166,21 @@ def test_the_loader_rejects_each_planted_checkpoint_and_resumes_from_a_clean_one
     args = checkpoints_of_iterations_1_to_4(save)
     # No manifest: accepted with a warning before, so the checksums are no obstacle (an attacker
     # could as well rewrite them).
+    named = {}
     for iteration, plant in ((4, _plant_in_metadata), (3, _plant_in_common), (2, _plant_in_byte_item)):
         ckpt = save / f"iter_{iteration:07d}"
         (ckpt / "resil_manifest.json").unlink()
-        plant(ckpt, marker)
+        named[iteration] = plant(ckpt, marker)
 
     resumed = launch.run([*args, "--train-iters", "5"])
     out = resumed.stdout
     assert resumed.returncode == 0, out[-3000:]
     assert not marker.exists()
-    for iteration, named in ((4, ".metadata asks to unpickle posix.system"),
-                             (3, "common.pt asks to unpickle"), (2, ".distcp (item rng_state")):
+    named[2] += " (item rng_state"  # the byte item _plant_in_byte_item replaces
+    for iteration, file in named.items():
         rejected = f"load: rejected persistent iteration {iteration}"
         line = next((x for x in out.splitlines() if rejected in x), "")
-        assert named in line, out[-4000:]
+        assert file in line and "asks to unpickle posix.system" in line, out[-4000:]
     assert "successfully loaded checkpoint from" in out and "at iteration 1" in out
     assert "Traceback" not in out
 
