@@ -56,20 +56,24 @@ def checkpoint(tmp_path):
 
 
 def _point_item_at(ckpt: Path, relative_path: str, tensors: bool = True) -> str:
-    """Rewrites .metadata so every item of one .distcp file (tensor items or byte items) is read from
-    `relative_path`, and drops the manifest: a checkpoint "written by Megatron-LM"."""
+    """Rewrites .metadata so every item of one .distcp file (the last by name holding tensor items, or
+    byte items) is read from `relative_path`, and drops the manifest: a checkpoint "written by
+    Megatron-LM". Returns the file's name: how many files a rank writes differs (two each with
+    megatron-core 0.16, one with 0.19)."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
     metadata = _metadata(ckpt)
-    for index, info in list(metadata.storage_data.items()):
-        is_bytes = isinstance(metadata.state_dict_metadata[index.fqn], BytesStorageMetadata)
-        if info.relative_path == "__1_1.distcp" and is_bytes != tensors:
+    chosen = [(index, info) for index, info in metadata.storage_data.items()
+              if isinstance(metadata.state_dict_metadata[index.fqn], BytesStorageMetadata) != tensors]
+    file = max(info.relative_path for _, info in chosen)
+    for index, info in chosen:
+        if info.relative_path == file:
             metadata.storage_data[index] = _StorageInfo(relative_path, info.offset, info.length,
                                                         info.transform_descriptors)
     with open(ckpt / ".metadata", "wb") as f:
         pickle.dump(metadata, f)
     (ckpt / "resil_manifest.json").unlink()
-    return "__1_1.distcp"
+    return file
 
 
 def test_an_untouched_checkpoint_verifies(checkpoint):
