@@ -13,9 +13,11 @@ SPREAD = "accepted; it changes how the work is spread, not what is saved or load
 
 FLAGS = (
     Flag("--dist-ckpt-strictness", "assume_ok_unexpected", str, choices=STRICTNESS,
-         help="what a load does with keys that the checkpoint and the model do not share (megatron-core's "
-              "StrictHandling). Accepted; the loader does not pass it on yet and behaves as "
-              "assume_ok_unexpected: a key the checkpoint lacks fails the load, nothing loads silently"),
+         help="what a load from a global tier (--load, --non-persistent-ckpt-type global) does with keys "
+              "that the checkpoint and the model do not share, as megatron-core's StrictHandling: "
+              "assume_ok_unexpected and raise_* fail the load on a model key the checkpoint lacks; log_*, "
+              "return_* and ignore_all load around it, and the weight keeps its initial value (said in one "
+              "line; resume such a model with --no-load-optim or --finetune)"),
     Flag("--ckpt-fully-parallel-load", help=SPREAD + "every rank reads the shards it needs"),
     Flag("--no-ckpt-fully-parallel-save", True, dest="ckpt_fully_parallel_save",
          help=SPREAD + "saves spread the writing of replicated tensors over data-parallel ranks either way"),

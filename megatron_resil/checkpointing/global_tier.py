@@ -74,7 +74,8 @@ def _make_staging(root: str, iteration: int) -> str:
 class GlobalTier(CheckpointTier):
     def __init__(self, root: str, name: str = "persistent", write_tracker: bool = True,
                  verify_checksums: bool = True, ckpt_format: str = "torch_dist",
-                 assume_constant_structure: bool = False, verify_integrity: bool = False) -> None:
+                 assume_constant_structure: bool = False, verify_integrity: bool = False,
+                 strictness: str = "assume_ok_unexpected") -> None:
         assert ckpt_format in FORMATS, ckpt_format
         assert not verify_integrity or ckpt_format == "torch_dist", "--verify-integrity is torch_dist only"
         self.root = root
@@ -86,6 +87,7 @@ class GlobalTier(CheckpointTier):
         # Megatron-LM's --verify-integrity: saves add its SHA-256 manifest (integrity.json); loads require
         # one. Without it, a checkpoint that carries one is still checked against it.
         self.verify_integrity = verify_integrity
+        self.strictness = strictness  # --dist-ckpt-strictness, megatron-core's StrictHandling, as Megatron-LM
         self.on_staged = None  # called with the iteration after the shards are written, before publish
         self._common_of: tuple[str, dict] | None = None
         # A --load that is not this run's --save is only read: a rejected checkpoint there stays put.
@@ -213,10 +215,12 @@ class GlobalTier(CheckpointTier):
         return self._common_of[1]
 
     def load(self, candidate: TierCandidate, sharded_template: dict) -> dict:
-        if not _LOAD_TAKES_COMMON_STRATEGY:
-            return dist_checkpointing.load(sharded_template, candidate.path)
-        return dist_checkpointing.load(sharded_template, candidate.path,
-                                       common_strategy=safe_load.CommonLoadWeightsOnly())
+        kwargs = {"common_strategy": safe_load.CommonLoadWeightsOnly()} if _LOAD_TAKES_COMMON_STRATEGY else {}
+        loaded = dist_checkpointing.load(sharded_template, candidate.path, strict=self.strictness, **kwargs)
+        if isinstance(loaded, tuple):  # return_unexpected, return_all: Megatron-LM would choke on these
+            loaded, missing, unexpected = loaded
+            _say_mismatch(self.strictness, candidate.path, missing, unexpected)
+        return loaded
 
     # ---- save side -------------------------------------------------------------------------
     def save(self, sharded_state: dict, iteration: int) -> str:
@@ -431,6 +435,27 @@ def write_own_shards(rank: int, staging: str, write_fn, preload_fn, write_args, 
     if sha256:
         megatron_integrity.add_sha256(staging, own)
     return own
+
+
+# The --dist-ckpt-strictness modes that load around a model key the checkpoint lacks (megatron-core drops
+# it from what is read; the parameter keeps its initial value). The others fail such a load.
+PARTIAL_LOADS = frozenset({"log_unexpected", "log_all", "return_unexpected", "return_all", "ignore_all"})
+
+
+def _say_mismatch(strictness: str, path: str, missing, unexpected) -> None:
+    """The keys a return_* load reports, in one line (megatron-core's names: `unexpected`, asked for by the
+    model but not in the checkpoint; `missing`, in the checkpoint but not asked for)."""
+    def some(keys) -> str:
+        names = sorted({str(getattr(k, "key", k)) for k in keys})
+        more = f" and {len(names) - 4} more" if len(names) > 4 else ""
+        return f"{len(names)}: " + ", ".join(names[:4]) + more
+    parts = []
+    if unexpected:
+        parts.append(f"model keys not in the checkpoint, left as initialised ({some(unexpected)})")
+    if missing:
+        parts.append(f"checkpoint keys this model does not ask for, not read ({some(missing)})")
+    if parts:
+        events.print_rank_0(f"[resil] load: --dist-ckpt-strictness {strictness}: {path}: " + "; ".join(parts))
 
 
 _FULL_BELOW_BYTES = 1 << 20

@@ -20,7 +20,7 @@ from megatron_resil.checkpointing import layout, loader, state
 from megatron_resil.checkpointing.async_save import AsyncSaves
 from megatron_resil.checkpointing.canary import LoadCanary
 from megatron_resil.checkpointing.dcp_writer import prepare_for_saving
-from megatron_resil.checkpointing.global_tier import CheckpointSaveError, GlobalTier
+from megatron_resil.checkpointing.global_tier import PARTIAL_LOADS, CheckpointSaveError, GlobalTier
 from megatron_resil.checkpointing.local_tier import LocalTier
 from megatron_resil.checkpointing.retention import apply_retention
 from megatron_resil.checkpointing.tier import CheckpointTier, TierCandidate
@@ -55,6 +55,7 @@ class CheckpointConfig:
     ckpt_format: str
     assume_constant_structure: bool
     verify_integrity: bool  # Megatron-LM's SHA-256 manifest: written by saves, required by loads
+    strictness: str = "assume_ok_unexpected"  # --dist-ckpt-strictness: keys checkpoint and model don't share
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> CheckpointConfig:
@@ -78,7 +79,7 @@ class CheckpointConfig:
                    async_max_failures=args.async_save_max_failures,
                    ckpt_format=args.ckpt_format,
                    assume_constant_structure=args.ckpt_assume_constant_structure,
-                   verify_integrity=args.verify_integrity)
+                   verify_integrity=args.verify_integrity, strictness=args.dist_ckpt_strictness)
 
 
 class CheckpointManager:
@@ -160,7 +161,7 @@ class CheckpointManager:
 
     def _persistent_tier(self) -> GlobalTier:
         tier = GlobalTier(self.config.load, verify_checksums=self.config.verify_checksums,
-                          verify_integrity=self.config.verify_integrity)
+                          verify_integrity=self.config.verify_integrity, strictness=self.config.strictness)
         tier.content_metadata = state.sharding_metadata(self.args)
         tier.read_only = not _same_dir(self.config.load, self.config.save)
         return tier
@@ -178,7 +179,8 @@ class CheckpointManager:
                                      load_optimizer=self._load_optim, load_rng=self._load_rng,
                                      rng_shape=self._rng_shape,
                                      finetune=self.config.finetune, release=_is_release(result.candidate),
-                                     half_precision=self.args.bf16 or self.args.fp16)
+                                     half_precision=self.args.bf16 or self.args.fp16,
+                                     partial_model=self.config.strictness in PARTIAL_LOADS)
         except ScheduleMismatch as err:
             self._exit(exit_codes.BAD_ARGUMENTS, f"{result.candidate.path}: {err}")
         events.record("loaded", tier=result.candidate.tier, iteration=progress.iteration,
@@ -336,7 +338,7 @@ def _non_persistent_tier(config: CheckpointConfig, layout_of_run: str) -> Checkp
         return GlobalTier(config.non_persistent_dir, name="non-persistent",
                           verify_checksums=config.verify_checksums, ckpt_format=config.ckpt_format,
                           assume_constant_structure=config.assume_constant_structure,
-                          verify_integrity=config.verify_integrity)
+                          verify_integrity=config.verify_integrity, strictness=config.strictness)
     return None
 
 

@@ -218,12 +218,14 @@ def _own_expert_stream(saved: dict) -> dict:
 
 def restore(loaded: dict, model: list, optimizer, scheduler, *, load_optimizer: bool, load_rng: bool,
             finetune: bool, release: bool = False, half_precision: bool = False,
-            rng_shape: tuple[int, ...] | None = None) -> TrainProgress:
+            rng_shape: tuple[int, ...] | None = None, partial_model: bool = False) -> TrainProgress:
     """Apply a loaded checkpoint as Megatron-LM's load_checkpoint does. `finetune` or a `release`
     checkpoint: the weights only, at iteration 0 (no optimizer, scheduler, RNG or rerun state, no consumed
     samples). Without the optimizer state under bf16/fp16, the optimizer's fp32 main parameters are reloaded
     from the loaded weights (else the first step would write its random initial ones back over them).
-    `rng_shape`: the checkpoint's `saved_rng_shape`, as its template was built with.
+    `rng_shape`: the checkpoint's `saved_rng_shape`, as its template was built with. `partial_model`: a
+    --dist-ckpt-strictness that loads around model keys the checkpoint lacks; they keep their initial
+    values, said in one line.
     Raises ScheduleMismatch, before anything is applied, for a schedule that differs from the checkpoint's
     with neither flag that settles it."""
     weights_only = finetune or release
@@ -231,7 +233,12 @@ def restore(loaded: dict, model: list, optimizer, scheduler, *, load_optimizer: 
     if load_optimizer:
         check_resumed_schedule(scheduler, loaded["opt_param_scheduler"])
     for key, chunk in zip(_model_keys(model), unwrap_model(model), strict=True):
-        chunk.load_state_dict(loaded[key])
+        kept = chunk.load_state_dict(loaded[key], strict=not partial_model).missing_keys
+        kept = [name for name in kept if not name.endswith("._extra_state")]  # TE's, rebuilt as it runs
+        if kept:
+            events.print_rank_0(f"[resil] load: {len(kept)} model weight(s) not in the checkpoint keep their "
+                                f"initial values (--dist-ckpt-strictness): {', '.join(kept[:4])}"
+                                + (f" and {len(kept) - 4} more" if len(kept) > 4 else ""))
     flops = float(loaded.get("num_floating_point_operations_so_far") or 0)  # kept even by --finetune
     if weights_only:
         if half_precision:
