@@ -100,7 +100,10 @@ class GlobalTier(CheckpointTier):
 
     # ---- load side -------------------------------------------------------------------------
     def candidates(self) -> list[TierCandidate]:
-        # Rank 0's view of the shared directory is the one every rank follows.
+        # Rank 0's view of the shared directory is the one every rank follows; before the process groups
+        # (--use-checkpoint-args), each process has only its own.
+        if not dist.is_initialized():
+            return self._scan()
         return parallel.broadcast_object(self._scan() if parallel.is_rank0() else None)
 
     def _scan(self) -> list[TierCandidate]:
