@@ -30,6 +30,7 @@ from megatron_resil import (
     signal_handler,
     weight_hashes,
 )
+from megatron_resil.arguments import checkpoint_args
 from megatron_resil.checkpointing import dir_lock
 from megatron_resil.checkpointing.global_tier import CheckpointSaveError
 from megatron_resil.checkpointing.manager import CheckpointConfig, CheckpointManager
@@ -94,6 +95,8 @@ def _process_settings(args: argparse.Namespace) -> None:
 def _pretrain(args: argparse.Namespace, ft: FaultTolerance) -> int:
     _process_settings(args)
     parallel.initialize(args)
+    if args.use_checkpoint_args:  # each rank read the checkpoint's arguments itself, before this
+        checkpoint_args.check_ranks_agree(args)
     restart_phases.mark("process_groups")
     dir_lock.lock_run_directories(args)  # before anything is written: another job may own the directory
     events.configure(args.save)

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from megatron_resil.arguments import (
+    checkpoint_args,
     checkpoint_options,
     checkpointing,
     data,
@@ -36,7 +37,8 @@ from megatron_resil.arguments.errors import ArgumentError
 
 # Order matters only for --help readability; validation order follows dependencies.
 _GROUPS = (model, mixed_precision, moe, training, data, distributed, checkpointing, checkpoint_options,
-           signals, fault_injection, fault_tolerance, inprocess, logging_args, straggler, rerun, gpu_features)
+           checkpoint_args, signals, fault_injection, fault_tolerance, inprocess, logging_args, straggler,
+           rerun, gpu_features)
 # Every table row of Megatron-LM's flags (flag_table.Flag), from the concerns that declare theirs in one.
 FLAGS = tuple(flag for group in _GROUPS for flag in getattr(group, "FLAGS", ()))
 
@@ -78,6 +80,7 @@ def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None)
     args = parser.parse_args(argv)
     try:
         world_size = world_size_from_env() if world_size is None else world_size
+        checkpoint_args.take_from_checkpoint(args, parser)  # --use-checkpoint-args: checked as if given
         flag_table.screen(args, FLAGS, cuda_available())
         for group in _GROUPS:
             group.validate(args, world_size)

@@ -1,0 +1,251 @@
+"""--use-checkpoint-args, as Megatron-LM's load_args_from_checkpoint: before the command line is checked, the
+model's arguments saved in the checkpoint under --load take their place. Which ones, and how, is Megatron-LM's
+list for the installed release: most replace the command line's value ("forced"); the sizes only fill in one
+the command line left out. The checkpoint is the one the loader would take (its tracker's, else the newest
+that passes verification), read through safe_load. torch.distributed has not started yet, so every rank reads
+it itself; `check_ranks_agree` confirms, once it has, that they all took the same."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+from dataclasses import dataclass
+
+from packaging.version import Version
+
+from megatron_resil.arguments.errors import ArgumentError
+from megatron_resil.arguments.flag_table import Flag, add_flags, warn
+
+FLAGS = (
+    Flag("--use-checkpoint-args",
+         help="as in Megatron-LM: before the model is built, the model's arguments saved in the checkpoint "
+              "under --load replace the command line's (sizes such as --num-layers only where the command "
+              "line leaves them out)"),
+    Flag("--use-mp-args-from-checkpoint-args",
+         help="with --use-checkpoint-args: the tensor-, pipeline- and expert-parallel sizes too"),
+    Flag("--no-use-tokenizer-model-from-checkpoint-args", True,
+         dest="use_tokenizer_model_from_checkpoint_args",
+         help="with --use-checkpoint-args: keep the command line's --tokenizer-type and --tokenizer-model"),
+)
+
+# Megatron-LM's names for the two whose flag stores elsewhere here.
+_OURS = {"apply_layernorm_1p": "layernorm_zero_centered_gamma"}
+# The sizes a command line must give unless a checkpoint does (model.py's required flags).
+_REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
+
+
+@dataclass(frozen=True)
+class Copied:
+    """One argument load_args_from_checkpoint copies: `forced` replaces the command line's value, else only
+    a value the command line left None is filled in; `since`/`until`: the megatron-core releases (the
+    Megatron-LM release of the same version) that copy it, where that changed between 0.16 and 0.19."""
+
+    name: str
+    forced: bool = True
+    since: str | None = None
+    until: str | None = None
+
+    def copied_by(self, release: Version) -> bool:
+        return (self.since is None or release >= Version(self.since)) and \
+            (self.until is None or release < Version(self.until))
+
+
+# Megatron-LM's megatron/training/checkpointing.py, core_v0.16.1 to core_v0.19.0, in its order. Those the
+# running code has no argument for (Mamba, hybrid models, ...) are never copied.
+MODEL = (
+    *(Copied(name, forced=False) for name in ("num_layers", "hidden_size", "ffn_hidden_size", "seq_length",
+                                               "num_attention_heads")),
+    Copied("num_query_groups"), Copied("group_query_attention"), Copied("kv_channels", forced=False),
+    Copied("max_position_embeddings", forced=False),
+    *(Copied(name) for name in (
+        "position_embedding_type", "add_position_embedding", "use_rotary_position_embeddings", "rotary_base",
+        "rotary_percent", "rotary_interleaved", "add_bias_linear", "add_qkv_bias", "squared_relu", "swiglu",
+        "untie_embeddings_and_output_weights", "apply_layernorm_1p", "normalization",
+        "apply_query_key_layer_scaling", "attention_dropout", "hidden_dropout")),
+    Copied("hybrid_override_pattern", until="0.17"),
+    *(Copied(name, since="0.17") for name in ("mtp_hybrid_override_pattern", "mtp_num_layers",
+                                               "mtp_use_repeated_layer")),
+    Copied("spec"), Copied("hybrid_attention_ratio", until="0.17"), Copied("hybrid_mlp_ratio", until="0.17"),
+    Copied("num_experts"), Copied("moe_layer_freq"), Copied("moe_ffn_hidden_size"), Copied("moe_router_topk"),
+    Copied("moe_token_dispatcher_type", forced=False), Copied("moe_router_pre_softmax"),
+    Copied("moe_grouped_gemm"), Copied("moe_single_grouped_weight", since="0.18"),
+    Copied("moe_single_grouped_bias", since="0.18"),
+    *(Copied(name) for name in (
+        "moe_shared_expert_intermediate_size", "moe_router_score_function", "moe_router_enable_expert_bias",
+        "moe_router_topk_scaling_factor", "mamba_state_dim", "mamba_head_dim", "mamba_num_groups",
+        "mamba_num_heads")),
+    Copied("is_hybrid_model", until="0.17"), Copied("hybrid_layer_pattern", forced=False, since="0.17"),
+    Copied("heterogeneous_layers_config_path"), Copied("heterogeneous_layers_config_encoded_json"),
+    Copied("moe_latent_size"),
+)
+TOKENIZER = (Copied("tokenizer_model"), Copied("tokenizer_type"))  # unless --no-use-tokenizer-model-from-...
+LATER = (Copied("tiktoken_pattern"), Copied("padded_vocab_size", forced=False),
+         Copied("ckpt_format", forced=False))
+PARALLEL = (Copied("tensor_model_parallel_size"), Copied("pipeline_model_parallel_size"),
+            Copied("virtual_pipeline_model_parallel_size"),
+            Copied("num_layers_per_virtual_pipeline_stage", forced=False),
+            Copied("expert_model_parallel_size"))  # with --use-mp-args-from-checkpoint-args
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_flags(parser, "model arguments from the checkpoint (Megatron-LM's options)", FLAGS)
+
+
+def validate(args: argparse.Namespace, world_size: int) -> None:
+    """Checked before the other concerns, in take_from_checkpoint: they check what it merged."""
+
+
+def take_from_checkpoint(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """With --use-checkpoint-args, the saved model arguments into `args`, each said in Megatron-LM's line.
+    Reads the checkpoint (megatron-core is imported, the patches installed first); raises ArgumentError."""
+    if not args.use_checkpoint_args:
+        if args.use_mp_args_from_checkpoint_args:
+            warn("--use-mp-args-from-checkpoint-args does nothing without --use-checkpoint-args")
+        return
+    if args.load is None:
+        raise ArgumentError("--use-checkpoint-args needs --load DIR: the checkpoint whose model arguments "
+                            "it takes")
+    if args.non_persistent_ckpt_type == "local":
+        raise ArgumentError("--use-checkpoint-args cannot be used with --non-persistent-ckpt-type local (as "
+                            "in Megatron-LM): a node-local checkpoint is found only once the parallel "
+                            "layout, which the arguments decide, is set up; drop one of them")
+    from megatron_resil import patches
+
+    patches.install(args)  # before megatron-core is imported; a second install() adds nothing
+    from megatron_resil import events
+
+    found = _saved_args(args)
+    if found is None:
+        events.print_rank_0("Checkpoint not found to provide arguments, using provided arguments.")
+        _say_missing_sizes(args, f"no checkpoint under --load {args.load}")
+        return
+    where, saved = found
+    if not saved:
+        events.print_rank_0("Checkpoint provided does not have arguments saved, using provided arguments.")
+        _say_missing_sizes(args, f"{where} has no saved arguments")
+        return
+    changed = _merge(args, saved, parser, where)
+    events.print_rank_0(f"[resil] checkpoint args: model arguments from {where} (--use-checkpoint-args); "
+                        + (f"replaced: {', '.join(changed)}" if changed else "none differs from the command "
+                           "line's"))
+
+
+def _say_missing_sizes(args: argparse.Namespace, why: str) -> None:
+    for name in _REQUIRED:
+        if getattr(args, name) is None:
+            raise ArgumentError(f"--{name.replace('_', '-')} is required: --use-checkpoint-args has nothing "
+                                f"to take it from ({why})")
+
+
+def _saved_args(args: argparse.Namespace) -> tuple[str, dict] | None:
+    """(where, the saved arguments as a dict) of the candidate the loader would take first: newest first
+    across --load and a global non-persistent directory, each passing the loader's verification (sizes, not
+    checksums: every rank reads this itself), or None when none does."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from megatron_resil import events
+    from megatron_resil.checkpointing.global_tier import GlobalTier
+    from megatron_resil.checkpointing.loader import newest_first
+
+    tiers = [GlobalTier(args.load, verify_checksums=False, verify_integrity=args.verify_integrity)]
+    non_persistent = args.non_persistent_global_ckpt_dir or \
+        (args.save and os.path.join(args.save, "non_persistent"))
+    if args.non_persistent_ckpt_type == "global" and non_persistent:
+        tiers.append(GlobalTier(non_persistent, name="non-persistent", verify_checksums=False,
+                                verify_integrity=args.verify_integrity))
+    for tier, candidate in newest_first(tiers):
+        where = f"{candidate.path} (iteration {candidate.iteration})"
+        try:
+            reason = tier.verify(candidate)
+            saved = None if reason else tier.saved_args(candidate)
+        except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP's is a BaseException
+            reason = f"unreadable ({type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]})"
+        if reason is not None:
+            events.print_rank_0(f"[resil] checkpoint args: passed over {where}: {reason}")
+            continue
+        return where, vars(saved) if isinstance(saved, argparse.Namespace) else dict(saved or {})
+    return None
+
+
+def _release() -> Version:
+    return Version(Version(importlib.metadata.version("megatron-core")).base_version)
+
+
+def _merge(args: argparse.Namespace, saved: dict, parser: argparse.ArgumentParser, where: str) -> list[str]:
+    """Megatron-LM's copying, each value said in its line; returns the arguments whose value (given or
+    default) the checkpoint's replaced, with both values."""
+    from megatron_resil import events
+
+    saved = dict(saved)
+    if "disable_bias_linear" in saved:  # Megatron-LM's one-off conversion for older checkpoints
+        saved["add_bias_linear"] = not saved["disable_bias_linear"]
+    rows = [*MODEL, *(TOKENIZER if args.use_tokenizer_model_from_checkpoint_args else ()), *LATER,
+            *(PARALLEL if args.use_mp_args_from_checkpoint_args else ())]
+    actions = {action.dest: action for action in parser._actions}
+    release, changed = _release(), []
+    for row in rows:
+        ours = _OURS.get(row.name, row.name)
+        if not row.copied_by(release) or ours not in actions:
+            continue  # an argument the running code does not have
+        if row.name == "moe_ffn_hidden_size" and saved.get("num_experts") is None:
+            args.moe_ffn_hidden_size = None  # as Megatron-LM: a dense checkpoint's model has no experts
+            continue
+        if not row.forced and getattr(args, ours) is not None:
+            continue
+        value = saved.get(row.name, saved.get(ours))
+        if value is None:
+            events.print_rank_0(f"Checkpoint did not provide arguments {row.name}")
+            continue
+        if not _fits(actions[ours], value):
+            raise ArgumentError(f"{where} holds {row.name}={value!r}, which is no value of "
+                                f"{actions[ours].option_strings[0]}; drop --use-checkpoint-args")
+        events.print_rank_0(f"Setting {row.name} to {value} from checkpoint")
+        if getattr(args, ours) is not None and getattr(args, ours) != value:
+            changed.append(f"{row.name} ({getattr(args, ours)} -> {value})")
+        setattr(args, ours, value)
+    return changed
+
+
+def _fits(action: argparse.Action, value) -> bool:
+    """`value`, saved in an untrusted checkpoint, is one the flag could have given."""
+    if action.nargs == 0:  # a switch
+        return isinstance(value, bool)
+    if action.nargs in ("+", "*"):
+        return isinstance(value, list) and bool(value) and all(_fits_one(action, v) for v in value)
+    return _fits_one(action, value)
+
+
+def _fits_one(action: argparse.Action, value) -> bool:
+    kind = action.type or str
+    if isinstance(value, bool):
+        return False
+    if kind is int:
+        fits = isinstance(value, int)
+    elif kind is float:
+        fits = isinstance(value, (int, float))
+    elif kind is str:
+        fits = isinstance(value, str)
+    else:  # a parsing function (e.g. --moe-layer-freq's): the value must read back as itself
+        try:
+            fits = kind(str(value)) == value
+        except (ValueError, TypeError, SyntaxError):
+            fits = False
+    return fits and (action.choices is None or value in action.choices)
+
+
+def check_ranks_agree(args: argparse.Namespace) -> None:
+    """Collective, once torch.distributed is up: every rank read the checkpoint's arguments itself, so a
+    checkpoint replaced between their reads would build different models. Raises SystemExit(1) (a requeue
+    reads it again) after one line."""
+    from megatron_resil import events, parallel
+
+    names = [row.name for row in (*MODEL, *TOKENIZER, *LATER, *PARALLEL)]
+    mine = {name: getattr(args, _OURS.get(name, name), None) for name in names}
+    everyone = parallel.all_gather_object(mine)
+    differ = sorted({name for theirs in everyone for name in names if theirs[name] != mine[name]})
+    if differ:
+        events.decision("exit", f"--use-checkpoint-args: the ranks read different model arguments under "
+                        f"--load {args.load} ({', '.join(differ)}): it changed while they started; exiting "
+                        "with code 1", exit_code=1)
+        raise SystemExit(1)
