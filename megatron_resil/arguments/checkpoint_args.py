@@ -29,7 +29,7 @@ FLAGS = (
          help="with --use-checkpoint-args: keep the command line's --tokenizer-type and --tokenizer-model"),
 )
 
-# Megatron-LM's names for the two whose flag stores elsewhere here.
+# Megatron-LM's name -> ours, where the same flag stores its value under another name here.
 _OURS = {"apply_layernorm_1p": "layernorm_zero_centered_gamma"}
 # The sizes a command line must give unless a checkpoint does (model.py's required flags).
 _REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
