@@ -25,6 +25,7 @@ setup(
         "numpy",
         "packaging>=24.2",
         "matplotlib>=3.7",  # tools/timeline.py draws the run timeline
+        "einops>=0.8",  # megatron-core builds --num-distributed-optimizer-instances' groups with it
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]"],

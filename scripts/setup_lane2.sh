@@ -52,7 +52,7 @@ install_lane2() {
   { [ -x "$LANE2_VENV/bin/python" ] || "$py" -m venv "$LANE2_VENV"; } &&
     "${pip[@]}" torch &&
     install_nvrx &&
-    "${pip[@]}" megatron-core tensorstore isal google-crc32c numpy packaging matplotlib \
+    "${pip[@]}" megatron-core tensorstore isal google-crc32c numpy packaging matplotlib einops \
       pytest pytest-xdist tensorboard fusepy tokenizers sentencepiece &&
     "$LANE2_VENV/bin/python" -m pip check
 }

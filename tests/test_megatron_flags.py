@@ -439,3 +439,17 @@ def test_a_configuration_megatron_core_refuses_is_one_line_and_exit_2_on_every_r
         "--moe-router-pre-softmax" in lines[0], result.stdout[-3000:]
     assert "exitcode  : 2" in result.stdout, result.stdout[-3000:]
     assert "[rank0]: Traceback" not in result.stdout and "[rank1]: Traceback" not in result.stdout
+
+
+@pytest.mark.slow
+def test_two_distributed_optimizer_instances_train_as_one_does():
+    """--num-distributed-optimizer-instances 2 on 2 data-parallel ranks: megatron-core builds the instances'
+    groups (with einops, a dependency now) and each rank holds a whole optimizer replica; the losses and
+    gradient norms are those of the one-instance run."""
+    runs = {}
+    for instances in ("1", "2"):
+        result = launch.run(_base("--use-distributed-optimizer", "--global-batch-size", "4",
+                                  "--num-distributed-optimizer-instances", instances), nproc=2, timeout=240)
+        assert result.returncode == 0, result.stdout[-3000:]
+        runs[instances] = launch.losses(result.stdout)
+    assert sorted(runs["2"]) == [1, 2, 3, 4] and runs["2"] == runs["1"], runs

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 
 from megatron_resil.arguments import training
@@ -263,9 +262,6 @@ def _validate_data_parallel_engine(args: argparse.Namespace) -> None:
     if args.num_distributed_optimizer_instances > 1:
         if not args.use_distributed_optimizer:
             raise ArgumentError("--num-distributed-optimizer-instances needs --use-distributed-optimizer")
-        if importlib.util.find_spec("einops") is None:  # megatron-core builds the instances' groups with it
-            raise ArgumentError("--num-distributed-optimizer-instances > 1 needs the einops package: "
-                                "pip install einops")
         if args.data_parallel_size % args.num_distributed_optimizer_instances:
             raise ArgumentError(f"--num-distributed-optimizer-instances "
                                 f"{args.num_distributed_optimizer_instances} does not divide the "
