@@ -383,7 +383,9 @@ def main() -> int:
         parser = arguments.build_parser()
         os.environ.setdefault("RANK", "1")  # notes and warnings print on rank 0 only
         sizes = [opts.world_size] + [n for n in (1, 2, 4, 16, 32, 64) if n != opts.world_size]
-        with device(gpu=not opts.cpu):
+        # Paths a config names inside Megatron-LM (--tp-comm-overlap-cfg) are relative to its root, where its
+        # CI runs them.
+        with device(gpu=not opts.cpu), contextlib.chdir(tree):
             verdicts = [min((judge(line, n, parser) for n in sizes), key=lambda v: len(v.refused))
                         for line in lines]
         summary = report(verdicts, commit, not opts.cpu, opts.world_size, opts.top, opts.pending_as_built)

@@ -24,7 +24,7 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-from megatron_resil import exit_codes, parallel
+from megatron_resil import cuda_graphs, exit_codes, parallel
 from megatron_resil.arguments import FLAGS
 from megatron_resil.arguments.flag_table import config_fields, config_kwargs
 from megatron_resil.arguments.model import transformer_engine_available
@@ -128,12 +128,10 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
                       rotary_base=args.rotary_base, rotary_percent=args.rotary_percent)
     if args.num_experts is None:
         kwargs.update(moe_aux_loss_coeff=0.0)
+    kwargs.update(cuda_graphs.config_kwargs(args))
     if "fp8_param" in config_fields("TransformerConfig"):
         kwargs["fp8_param"] = args.fp8_param_gather
     kwargs.update(
-        # megatron-core 0.16's default ("full") is deprecated by itself, with a warning on every rank;
-        # the empty list it converts that to means the same (no CUDA graphs are captured here).
-        cuda_graph_scope=[],
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,

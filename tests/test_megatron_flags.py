@@ -173,7 +173,8 @@ def cpu_command_line(name: str, tmp: Path) -> list[str]:
 @pytest.fixture
 def gpu_host(monkeypatch):
     """Validation as a GPU host with Transformer Engine would answer (the configs are GPU runs)."""
-    for module in (arguments, arguments.model, arguments.distributed, arguments.device):
+    for module in (arguments, arguments.model, arguments.distributed, arguments.device,
+                   arguments.gpu_features):
         for attr in ("cuda_available", "transformer_engine_available"):
             if hasattr(module, attr):
                 monkeypatch.setattr(module, attr, lambda: True)
@@ -244,7 +245,6 @@ def _refused(argv: list[str], capsys, world_size: int = 1) -> str:
 @pytest.mark.parametrize("flags, named", [
     (("--use-megatron-fsdp",), "--use-megatron-fsdp"),
     (("--optimizer", "muon"), "--optimizer muon"),
-    (("--cuda-graph-impl", "local"), "--cuda-graph-impl local"),
     (("--experimental-attention-variant", "gated_delta_net"), "--experimental-attention-variant"),
     (("--tokenizer-type", "TikTokenizer", "--vocab-size", "128"), "TikTokenizer is not built yet"),
     (("--no-position-embedding",), "--no-position-embedding"),
@@ -269,6 +269,69 @@ def test_gpu_only_flags_on_cpu_one_warning_if_only_faster_refused_if_results_cha
     assert len(warnings) == 3 and all("ignored without CUDA" in w for w in warnings), warnings
     line = _refused(_base("--fp8-format", "hybrid"), capsys)
     assert "--fp8-format hybrid needs CUDA: it changes what is computed" in line
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CPU behaviour")
+def test_cuda_graphs_userbuffers_and_op_fuser_on_cpu_one_warning_each_and_ignored(capsys):
+    """They only replay or overlap GPU work: the run is the same without them."""
+    args = parse_args(_base("--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn",
+                            "--cuda-graph-warmup-steps", "0", "--te-rng-tracker", "--tp-comm-overlap",
+                            "--tp-comm-overlap-cfg", "ub.yaml", "--use-transformer-engine-op-fuser"),
+                      world_size=1)
+    assert (args.cuda_graph_impl, args.te_rng_tracker, args.tp_comm_overlap,
+            args.use_transformer_engine_op_fuser) == ("none", False, False, False)
+    warnings = capsys.readouterr().err.splitlines()
+    assert [w.split(" ")[2] for w in warnings] == ["--use-transformer-engine-op-fuser", "--tp-comm-overlap",
+                                                   "--cuda-graph-impl", "--te-rng-tracker"], warnings
+    assert all(w.endswith("ignored without CUDA") for w in warnings), warnings
+    assert "--cuda-graph-impl transformer_engine only replays captured GPU work (same results)" in warnings[2]
+
+
+def test_cuda_graphs_and_userbuffers_reach_megatron_cores_config_on_a_gpu_host(gpu_host, tmp_path, capsys):
+    """As Megatron-LM: the deprecated switch becomes --cuda-graph-impl, CUDA graphs with Transformer Engine
+    turn its RNG tracker on, and the config gets the implementation, the modules, the warm-up and the
+    userbuffer switch (the modules under the name the installed megatron-core uses)."""
+    from megatron_resil import cuda_graphs
+
+    cfg = tmp_path / "ub.yaml"
+    cfg.write_text("qkv_fprop:\n  method: ring_exchange\n")
+    tp2 = ("--tensor-model-parallel-size", "2", "--sequence-parallel")
+    args = parse_args(_base(*tp2, "--enable-cuda-graph", "--cuda-graph-scope", "attn", "mlp",
+                            "--cuda-graph-warmup-steps", "2", "--tp-comm-overlap", "--tp-comm-overlap-cfg",
+                            str(cfg)), world_size=2)
+    assert capsys.readouterr().err.splitlines() == [
+        "pretrain.py: warning: --enable-cuda-graph is deprecated, use --cuda-graph-impl=local instead.",
+        "pretrain.py: warning: --cuda-graph-scope is deprecated, use --cuda-graph-modules instead.",
+        "pretrain.py: warning: te_rng_tracker is not enabled, enabling it for CUDA graphs."]
+    config = {**flag_table.config_kwargs(args, arguments.FLAGS, "TransformerConfig"),
+              **cuda_graphs.config_kwargs(args)}
+    modules = "cuda_graph_modules" if "cuda_graph_modules" in config else "cuda_graph_scope"
+    assert {k: config[k] for k in ("cuda_graph_impl", "cuda_graph_warmup_steps", "use_te_rng_tracker",
+                                   "tp_comm_overlap", modules)} == \
+        {"cuda_graph_impl": "local", "cuda_graph_warmup_steps": 2, "use_te_rng_tracker": True,
+         "tp_comm_overlap": True, modules: ["attn", "mlp"]}
+    assert cuda_graphs.seed_kwargs(args) == {"te_rng_tracker": True, "use_cudagraphable_rng": True}
+    assert "--tp-comm-overlap needs --sequence-parallel" in _refused(
+        _base("--tensor-model-parallel-size", "2", "--tp-comm-overlap"), capsys, world_size=2)
+    assert "--tp-comm-overlap-cfg nowhere.yaml: no such file" in _refused(
+        _base(*tp2, "--tp-comm-overlap", "--tp-comm-overlap-cfg", "nowhere.yaml"), capsys, world_size=2)
+    assert "full_iteration is not supported here" in _refused(
+        _base("--cuda-graph-impl", "full_iteration"), capsys)
+
+
+def test_op_fuser_on_a_gpu_host_reaches_the_config_or_is_ignored_where_megatron_core_lacks_it(gpu_host,
+                                                                                            capsys):
+    args = parse_args(_base("--use-transformer-engine-op-fuser"), world_size=1)
+    if "use_transformer_engine_op_fuser" in flag_table.config_fields("TransformerConfig"):  # 0.19
+        assert flag_table.config_kwargs(args, arguments.FLAGS, "TransformerConfig")[
+            "use_transformer_engine_op_fuser"]
+        assert capsys.readouterr().err == ""
+    else:  # megatron-core 0.16: the same run without Transformer Engine's fuser
+        assert not args.use_transformer_engine_op_fuser
+        assert capsys.readouterr().err.splitlines() == [
+            "pretrain.py: warning: --use-transformer-engine-op-fuser only selects a GPU kernel (same "
+            "results); ignored: the installed megatron-core 0.16.1's TransformerConfig has no "
+            "use_transformer_engine_op_fuser"]
 
 
 def test_megatron_defaults_of_the_new_flags():

@@ -37,7 +37,8 @@ class Flag:
     the "no"). `gpu`, for a feature that exists only on GPU: "results" when it changes what is computed
     (refused without CUDA), else the clause the one CPU warning says, e.g. "only selects a GPU kernel
     (same results)", before the flag is reset to its default. `refuse`: why a value other than the default
-    cannot run here, on any device (a clause naming what to do instead).
+    cannot run here, on any device (a clause naming what to do instead). A GPU-only flag that only picks a
+    faster path is ignored the same way, with one warning, where the installed megatron-core lacks its field.
     """
 
     name: str
@@ -114,6 +115,11 @@ def screen(args: argparse.Namespace, flags: Iterable[Flag], cuda: bool) -> None:
             warn(f"{shown} {flag.gpu}; ignored without CUDA")
             setattr(args, flag.key, flag.default)
         if flag.to and flag.is_set(args) and (flag.field or flag.key) not in config_fields(flag.to):
+            if flag.gpu and flag.gpu != "results":  # only a faster path: the run is the same without it
+                warn(f"{shown} {flag.gpu}; ignored: the installed {_core_version()}'s {flag.to} has no "
+                     f"{flag.field or flag.key}")
+                setattr(args, flag.key, flag.default)
+                continue
             raise ArgumentError(f"{shown} needs a megatron-core whose {flag.to} has "
                                 f"{flag.field or flag.key} (installed: {_core_version()}); drop the flag "
                                 "or upgrade megatron-core")

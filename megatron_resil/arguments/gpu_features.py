@@ -1,19 +1,24 @@
 """Flags of Megatron-LM's GPU-only features: overlaps, offloading, CUDA graphs, profiling and memory
-housekeeping. Without CUDA, one that only changes speed or memory is ignored with one warning line;
-what is not wired here is refused with one line, on any device. (fp8 is with the other precisions.)"""
+housekeeping, Transformer Engine's userbuffers. Without CUDA, one that only changes speed or memory is
+ignored with one warning line; what is not wired here is refused with one line, on any device. (fp8 is
+with the other precisions; megatron_resil/cuda_graphs.py drives the CUDA graphs on GPU.)"""
 
 from __future__ import annotations
 
 import argparse
+import os
 
 from megatron_resil.arguments.errors import ArgumentError
-from megatron_resil.arguments.flag_table import Flag, add_flags
+from megatron_resil.arguments.flag_table import Flag, add_flags, warn
+from megatron_resil.arguments.model import transformer_engine_available
 
 TC = "TransformerConfig"
 KERNEL = "only selects a GPU kernel (same results)"
 OVERLAP = "only overlaps GPU work (same results)"
 MEMORY = "only manages GPU memory (same results)"
 PROFILE = "only drives the CUDA profiler"
+GRAPH = "only replays captured GPU work (same results)"
+GRAPH_MODULES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba", "full")
 NOT_WIRED = "not supported yet here ({}); drop it"
 
 FLAGS = (
@@ -37,16 +42,25 @@ FLAGS = (
     Flag("--profile-step-start", 10, int),
     Flag("--profile-step-end", 12, int),
     Flag("--profile-ranks", [], int, nargs="+", help="ranks that profile (default: all)"),
-    Flag("--tp-comm-overlap", refuse=NOT_WIRED.format("Transformer Engine's userbuffers are not set up")),
-    Flag("--tp-comm-overlap-cfg", None, str,
-         refuse=NOT_WIRED.format("Transformer Engine's userbuffers are not set up")),
+    Flag("--tp-comm-overlap", to=TC, gpu=OVERLAP,
+         help="overlap tensor-parallel communication with GEMMs in Transformer Engine's userbuffers (needs "
+              "--sequence-parallel)"),
+    Flag("--tp-comm-overlap-cfg", None, str, help="YAML of Transformer Engine's userbuffer settings for "
+                                                  "--tp-comm-overlap (default: Transformer Engine's)"),
     Flag("--cuda-graph-impl", "none", str, choices=("none", "local", "transformer_engine", "full_iteration"),
-         refuse=NOT_WIRED.format("CUDA graphs are not captured by this training loop")),
-    Flag("--cuda-graph-modules", None, str, nargs="+",
-         help="what CUDA graphs capture (with --cuda-graph-impl, not supported here): changes nothing"),
-    Flag("--cuda-graph-warmup-steps", 3, int,
-         help="warm-up steps before CUDA graph capture (with --cuda-graph-impl): changes nothing"),
-    Flag("--te-rng-tracker", refuse=NOT_WIRED.format("Transformer Engine's RNG tracker is for CUDA graphs")),
+         to=TC, gpu=GRAPH, help="CUDA graphs: megatron-core's per-layer graphs (local), Transformer Engine's "
+                                "(transformer_engine), or the whole forward-backward (full_iteration)"),
+    Flag("--cuda-graph-modules", [], str, nargs="+", choices=GRAPH_MODULES,
+         help="what the per-layer CUDA graphs capture (default: the whole layer)"),
+    Flag("--cuda-graph-scope", None, str, nargs="+", choices=GRAPH_MODULES,
+         dest="cuda_graph_scope_deprecated",
+         help="deprecated name of --cuda-graph-modules"),
+    Flag("--cuda-graph-warmup-steps", 3, int, to=TC, help="iterations run before CUDA graphs are captured"),
+    Flag("--enable-cuda-graph", gpu=GRAPH, help="deprecated: --cuda-graph-impl local"),
+    Flag("--external-cuda-graph", gpu=GRAPH, help="deprecated: --cuda-graph-impl transformer_engine"),
+    Flag("--te-rng-tracker", to=TC, field="use_te_rng_tracker",
+         gpu="only draws dropout masks from Transformer Engine's generator (which CUDA graphs need)",
+         help="use Transformer Engine's CUDA RNG tracker"),
 )
 
 
@@ -61,3 +75,48 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
                             f"{args.profile_step_start}")
     if args.wgrad_deferral_limit < 0:
         raise ArgumentError("--wgrad-deferral-limit must not be negative")
+    _cuda_graphs(args)
+    if args.tp_comm_overlap:
+        if not args.sequence_parallel:  # as Megatron-LM asserts
+            raise ArgumentError("--tp-comm-overlap needs --sequence-parallel (and "
+                                "--tensor-model-parallel-size > 1)")
+        if args.transformer_impl != "transformer_engine":
+            raise ArgumentError("--tp-comm-overlap needs --transformer-impl transformer_engine (its "
+                                "userbuffers)")
+        if args.tp_comm_overlap_cfg is not None and not os.path.isfile(args.tp_comm_overlap_cfg):
+            raise ArgumentError(f"--tp-comm-overlap-cfg {args.tp_comm_overlap_cfg}: no such file")
+
+
+def _cuda_graphs(args: argparse.Namespace) -> None:
+    """Megatron-LM's translations: the deprecated switches and --cuda-graph-scope become --cuda-graph-impl
+    and --cuda-graph-modules (with its warnings); CUDA graphs with Transformer Engine use its RNG tracker."""
+    for switch, impl in (("enable_cuda_graph", "local"), ("external_cuda_graph", "transformer_engine")):
+        if getattr(args, switch):
+            flag = "--" + switch.replace("_", "-")
+            if args.cuda_graph_impl != "none":
+                raise ArgumentError(f"{flag} and --cuda-graph-impl cannot be used together; keep "
+                                    "--cuda-graph-impl")
+            warn(f"{flag} is deprecated, use --cuda-graph-impl={impl} instead.")
+            args.cuda_graph_impl = impl
+    if args.cuda_graph_scope_deprecated is not None:
+        if args.cuda_graph_modules:
+            raise ArgumentError("--cuda-graph-scope and --cuda-graph-modules cannot be used together.")
+        warn("--cuda-graph-scope is deprecated, use --cuda-graph-modules instead.")
+        args.cuda_graph_modules = args.cuda_graph_scope_deprecated
+    if "full" in args.cuda_graph_modules:
+        warn("full scope is deprecated. Use empty cuda_graph_modules to capture the whole layer.")
+        args.cuda_graph_modules = [m for m in args.cuda_graph_modules if m != "full"]
+    if args.cuda_graph_impl == "none":
+        return
+    if args.cuda_graph_impl == "full_iteration":
+        # megatron-core's FullCudaGraphWrapper replays the schedule on its own static copies of the batches
+        # it reads up front; our forward step reads each microbatch by number (replays, resumes).
+        raise ArgumentError("--cuda-graph-impl full_iteration is not supported here (megatron-core's "
+                            "wrapper replays its static data buffers, which our forward step does not read); "
+                            "use --cuda-graph-impl local or transformer_engine")
+    if args.cuda_graph_impl == "transformer_engine" and not transformer_engine_available():
+        raise ArgumentError("--cuda-graph-impl transformer_engine needs Transformer Engine: pip install "
+                            "megatron-resil[gpu], or use --cuda-graph-impl local")
+    if "transformer_engine" in (args.transformer_impl, args.cuda_graph_impl) and not args.te_rng_tracker:
+        args.te_rng_tracker = True
+        warn("te_rng_tracker is not enabled, enabling it for CUDA graphs.")

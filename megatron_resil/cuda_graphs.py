@@ -1,0 +1,81 @@
+"""CUDA graphs and Transformer Engine's userbuffers on GPU, driven as Megatron-LM drives them
+(d98e8a6, megatron/training/{training,initialize}.py). --cuda-graph-impl local: megatron-core's own
+per-layer graphs, which its pipeline schedules capture and replay; transformer_engine: megatron-core's
+TECudaGraphHelper, captured here once --cuda-graph-warmup-steps iterations have run. Without CUDA the flags
+were ignored at start-up (arguments/gpu_features.py), so on CPU nothing here does anything.
+Read against Megatron-LM, not run: no GPU has run this code yet."""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron_resil.arguments.flag_table import config_fields
+
+
+def config_kwargs(args: argparse.Namespace) -> dict:
+    """What the per-layer graphs capture, under the name the installed megatron-core gives it
+    (cuda_graph_modules from 0.19; cuda_graph_scope before). Empty: the whole layer (0.16's own default,
+    "full", is deprecated by itself, with a warning on every rank)."""
+    field = "cuda_graph_modules" if "cuda_graph_modules" in config_fields("TransformerConfig") \
+        else "cuda_graph_scope"
+    return {field: list(args.cuda_graph_modules)}
+
+
+def seed_kwargs(args: argparse.Namespace) -> dict:
+    """megatron-core's RNG tracker for model_parallel_cuda_manual_seed: Transformer Engine's with
+    --te-rng-tracker, and a graph-safe generator under CUDA graphs (Megatron-LM's _set_random_seed)."""
+    return {"te_rng_tracker": args.te_rng_tracker, "use_cudagraphable_rng": args.cuda_graph_impl != "none"}
+
+
+def initialize_userbuffers(args: argparse.Namespace) -> None:
+    """--tp-comm-overlap: Transformer Engine's userbuffers for the tensor-parallel GEMMs, sized for one
+    microbatch's sequence on this context-parallel rank (Megatron-LM's _initialize_tp_communicators)."""
+    if not args.tp_comm_overlap:
+        return
+    import inspect
+
+    import yaml
+    from transformer_engine.pytorch import module as te_module
+
+    ub_cfgs = {}
+    if args.tp_comm_overlap_cfg is not None:
+        with open(args.tp_comm_overlap_cfg) as stream:
+            ub_cfgs = yaml.safe_load(stream) or {}
+    tokens = args.seq_length * args.micro_batch_size // args.context_parallel_size
+    kwargs = {"shape": [tokens, args.hidden_size], "tp_size": args.tensor_model_parallel_size,
+              "ub_cfgs": ub_cfgs}
+    if "quantization_modes" in inspect.signature(te_module.base.initialize_ub).parameters:  # TE 2.7 on
+        mode = te_module.base.UserBufferQuantizationMode
+        kwargs["quantization_modes"] = [mode.FP8 if args.fp8 else mode.NONE]
+    else:
+        kwargs["use_fp8"] = args.fp8 is not None
+    te_module.base.initialize_ub(bootstrap_backend="nccl", **kwargs)
+
+
+class GraphCapture:
+    """--cuda-graph-impl transformer_engine: Transformer Engine's graphs of the layers, captured by
+    megatron-core's TECudaGraphHelper after --cuda-graph-warmup-steps iterations of this run (0: before the
+    first) and deleted when training ends. Nothing for the other implementations."""
+
+    def __init__(self, args: argparse.Namespace, model: list, optimizer) -> None:
+        self.helper = None
+        self.warmup_steps = args.cuda_graph_warmup_steps
+        if args.cuda_graph_impl == "transformer_engine":
+            from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
+            from megatron.core.utils import get_model_config
+
+            self.helper = TECudaGraphHelper(model=model, config=get_model_config(model[0]),
+                                            seq_length=args.seq_length,
+                                            micro_batch_size=args.micro_batch_size, optimizers=[optimizer])
+        self.before_iteration(0)
+
+    def before_iteration(self, taken_in_this_run: int) -> None:
+        """Capture once this run has taken the warm-up iterations (forward pre-hooks stay enabled here,
+        so megatron-core's graphs need no manual hooks)."""
+        if self.helper is not None and taken_in_this_run == self.warmup_steps and \
+                not self.helper.graphs_created():
+            self.helper.create_cudagraphs()
+
+    def close(self) -> None:
+        if self.helper is not None and self.helper.graphs_created():
+            self.helper.delete_cuda_graphs()
