@@ -516,3 +516,40 @@ def test_two_distributed_optimizer_instances_train_as_one_does():
         assert result.returncode == 0, result.stdout[-3000:]
         runs[instances] = launch.losses(result.stdout)
     assert sorted(runs["2"]) == [1, 2, 3, 4] and runs["2"] == runs["1"], runs
+
+
+def test_pipeline_layout_is_checked_as_megatron_lm_checks_it(capsys):
+    pp2 = ("--num-layers", "4", "--pipeline-model-parallel-size", "2", "--global-batch-size", "4")
+    args = parse_args(_base(*pp2, "--pipeline-model-parallel-layout", "E,t|(t|)*2,tL"), world_size=2)
+    assert args.virtual_pipeline_model_parallel_size == 2 and args.overlap_p2p_comm
+    assert parse_args(_base(*pp2, "--pipeline-model-parallel-layout", "Ettt|tL"),
+                      world_size=2).virtual_pipeline_model_parallel_size is None
+    assert "places 3 transformer layers, not --num-layers 4" in _refused(
+        _base(*pp2, "--pipeline-model-parallel-layout", "Ett|tL"), capsys, world_size=2)
+    assert "has 3 stages, not a multiple of --pipeline-model-parallel-size 2" in _refused(
+        _base(*pp2, "--pipeline-model-parallel-layout", "Et|tt|tL"), capsys, world_size=2)
+    assert "unknown layer x" in _refused(
+        _base(*pp2, "--pipeline-model-parallel-layout", "Etx|tttL"), capsys, world_size=2)
+    assert "gives the whole split" in _refused(
+        _base(*pp2, "--pipeline-model-parallel-layout", "Ett|ttL", "--decoder-first-pipeline-num-layers",
+              "2"), capsys, world_size=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layers, layout, same_split", [
+    ("3", "Ett|tL", ("--decoder-first-pipeline-num-layers", "2", "--decoder-last-pipeline-num-layers", "1")),
+    ("4", "Et|t|t|tL", ("--num-layers-per-virtual-pipeline-stage", "1")),
+])
+def test_a_pipeline_layout_trains_as_the_same_split_given_by_megatron_lms_other_flags(layers, layout,
+                                                                                       same_split):
+    """PP 2 on 2 CPU ranks: an uneven split (3 layers, 2 then 1) and an interleaved one (4 virtual stages of
+    one layer), given as a layout, train with the losses and gradient norms of the same split given the
+    older way; megatron-core's config reads the layout (3 layers do not split evenly over 2 stages)."""
+    runs = []
+    for split in (("--pipeline-model-parallel-layout", layout), same_split):
+        argv = [*_drop(_base(), "--num-layers"), "--num-layers", layers, "--pipeline-model-parallel-size",
+                "2", "--global-batch-size", "4", *split]
+        result = launch.run(argv, nproc=2, timeout=240)
+        assert result.returncode == 0, result.stdout[-3000:]
+        runs.append(launch.losses(result.stdout))
+    assert sorted(runs[0]) == [1, 2, 3, 4] and runs[0] == runs[1], runs

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 
 from megatron_resil.arguments import training
 from megatron_resil.arguments.device import cuda_available
@@ -29,9 +30,10 @@ FLAGS = (
          help="count the embedding as a layer when splitting layers over pipeline stages"),
     Flag("--account-for-loss-in-pipeline-split", to=TC,
          help="count the output layer and loss as a layer when splitting layers over pipeline stages"),
-    Flag("--pipeline-model-parallel-layout", None, str,
-         refuse="not supported yet; give the split with --decoder-first-pipeline-num-layers, "
-                "--decoder-last-pipeline-num-layers or --num-virtual-stages-per-pipeline-rank"),
+    Flag("--pipeline-model-parallel-layout", None, str, to=TC,
+         help="the layers of each pipeline stage, e.g. \"E|(t|)*3,m|m||L\": E embedding, t transformer "
+              "layer, m multi-token prediction layer, L loss; stages split by |, (..)*n repeats; more stages "
+              "than --pipeline-model-parallel-size are virtual stages"),
     Flag("--microbatch-group-size-per-virtual-pipeline-stage", None, int, to=TC,
          dest="microbatch_group_size_per_vp_stage",
          help="interleaved schedule: microbatches run together on one virtual stage (default: PP size)"),
@@ -161,24 +163,15 @@ def _validate_pipeline(args: argparse.Namespace) -> None:
     if per_virtual is not None and virtual is not None:
         raise ArgumentError("give --num-layers-per-virtual-pipeline-stage or "
                             "--num-virtual-stages-per-pipeline-rank, not both")
-    if not uneven and counted % pp:
-        what = f"--num-layers {layers}" + (f" (+ embedding and loss: {counted})" if counted != layers else "")
-        raise ArgumentError(f"{what} is not divisible by --pipeline-model-parallel-size {pp}")
-    per_stage = counted // pp
-    if per_virtual is not None:
-        if uneven:
-            raise ArgumentError("with --decoder-first/last-pipeline-num-layers, give virtual stages with "
-                                "--num-virtual-stages-per-pipeline-rank (as in Megatron-LM)")
-        if per_virtual <= 0 or per_stage % per_virtual:
-            raise ArgumentError(
-                f"--num-layers-per-virtual-pipeline-stage {per_virtual} does not divide the {per_stage} "
-                f"layers of each pipeline stage (--num-layers {layers} / "
-                f"--pipeline-model-parallel-size {pp})")
-        virtual = per_stage // per_virtual
-    elif virtual is not None and (virtual <= 0 or (not uneven and per_stage % virtual)):
-        raise ArgumentError(
-            f"--num-virtual-stages-per-pipeline-rank {virtual} does not divide the {per_stage} layers of "
-            f"each pipeline stage (--num-layers {layers} / --pipeline-model-parallel-size {pp})")
+    if args.pipeline_model_parallel_layout is not None:
+        if per_virtual is not None or virtual is not None or uneven or counted != layers:
+            raise ArgumentError("--pipeline-model-parallel-layout gives the whole split: drop "
+                                "--num-layers-per-virtual-pipeline-stage, "
+                                "--num-virtual-stages-per-pipeline-rank, --decoder-first/last-pipeline-num-"
+                                "layers and --account-for-embedding/loss-in-pipeline-split")
+        virtual = _layout_virtual_stages(args)
+    else:
+        virtual = _virtual_stages(args, counted, uneven)
     if virtual is not None and pp == 1:
         raise ArgumentError("virtual pipeline stages need --pipeline-model-parallel-size > 1")
     args.virtual_pipeline_model_parallel_size = virtual if virtual is not None and virtual > 1 else None
@@ -193,6 +186,56 @@ def _validate_pipeline(args: argparse.Namespace) -> None:
     if args.overlap_p2p_comm_warmup_flush and not args.overlap_p2p_comm:
         raise ArgumentError("--overlap-p2p-communication-warmup-flush needs the interleaved schedule with "
                             "p2p overlap (virtual stages, without --no-overlap-p2p-communication)")
+
+
+def _virtual_stages(args: argparse.Namespace, counted: int, uneven: bool) -> int | None:
+    """The virtual stages per pipeline rank the flags ask for (None: no interleaving), the layers split
+    evenly or with given first and last stages."""
+    pp, layers = args.pipeline_model_parallel_size, args.num_layers
+    per_virtual = args.num_layers_per_virtual_pipeline_stage
+    virtual = args.num_virtual_stages_per_pipeline_rank
+    if not uneven and counted % pp:
+        what = f"--num-layers {layers}" + (f" (+ embedding and loss: {counted})" if counted != layers else "")
+        raise ArgumentError(f"{what} is not divisible by --pipeline-model-parallel-size {pp}")
+    per_stage = counted // pp
+    if per_virtual is not None:
+        if uneven:
+            raise ArgumentError("with --decoder-first/last-pipeline-num-layers, give virtual stages with "
+                                "--num-virtual-stages-per-pipeline-rank (as in Megatron-LM)")
+        if per_virtual <= 0 or per_stage % per_virtual:
+            raise ArgumentError(
+                f"--num-layers-per-virtual-pipeline-stage {per_virtual} does not divide the {per_stage} "
+                f"layers of each pipeline stage (--num-layers {layers} / "
+                f"--pipeline-model-parallel-size {pp})")
+        return per_stage // per_virtual
+    if virtual is not None and (virtual <= 0 or (not uneven and per_stage % virtual)):
+        raise ArgumentError(
+            f"--num-virtual-stages-per-pipeline-rank {virtual} does not divide the {per_stage} layers of "
+            f"each pipeline stage (--num-layers {layers} / --pipeline-model-parallel-size {pp})")
+    return virtual
+
+
+def _layout_virtual_stages(args: argparse.Namespace) -> int | None:
+    """Megatron-LM's checks of --pipeline-model-parallel-layout, parsed as megatron-core's
+    PipelineParallelLayerLayout.parse_str_to_list does (commas cosmetic, "(..)*n" and "x*n" repeat, stages
+    split by "|"); megatron-core checks the rest (where E, L and m stand) when it builds the config.
+    The virtual stages per pipeline rank (None: one stage per rank)."""
+    layout, pp = args.pipeline_model_parallel_layout, args.pipeline_model_parallel_size
+    text = layout.replace(",", "")
+    for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):
+        text = re.sub(pattern, lambda match: match.group(1) * int(match.group(2)), text)
+    stages = text.split("|")
+    unknown = sorted(set(text) - set("EtmL|"))
+    if unknown:
+        raise ArgumentError(f"--pipeline-model-parallel-layout {layout}: unknown layer {' '.join(unknown)}; "
+                            "use E (embedding), t (transformer layer), m (multi-token prediction), L (loss)")
+    if len(stages) % pp:
+        raise ArgumentError(f"--pipeline-model-parallel-layout {layout} has {len(stages)} stages, not a "
+                            f"multiple of --pipeline-model-parallel-size {pp}")
+    if text.count("t") != args.num_layers:
+        raise ArgumentError(f"--pipeline-model-parallel-layout {layout} places {text.count('t')} transformer "
+                            f"layers, not --num-layers {args.num_layers}")
+    return len(stages) // pp if len(stages) > pp else None
 
 
 def _validate_uneven_stages(args: argparse.Namespace, first: int | None, last: int | None) -> None:
