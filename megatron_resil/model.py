@@ -24,7 +24,7 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-from megatron_resil import cuda_graphs, exit_codes, parallel
+from megatron_resil import exit_codes, gpu_features, parallel
 from megatron_resil.arguments import FLAGS
 from megatron_resil.arguments.flag_table import config_fields, config_kwargs
 from megatron_resil.arguments.model import transformer_engine_available
@@ -128,7 +128,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
                       rotary_base=args.rotary_base, rotary_percent=args.rotary_percent)
     if args.num_experts is None:
         kwargs.update(moe_aux_loss_coeff=0.0)
-    kwargs.update(cuda_graphs.config_kwargs(args))
+    kwargs.update(gpu_features.config_kwargs(args))
     if "fp8_param" in config_fields("TransformerConfig"):
         kwargs["fp8_param"] = args.fp8_param_gather
     kwargs.update(

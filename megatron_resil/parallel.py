@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from megatron_resil import cuda_graphs
+from megatron_resil import gpu_features
 
 # The store torch.distributed starts from during one in-process restart attempt (see
 # inprocess_restart.py), None otherwise. A second attempt cannot rendezvous through the launcher's
@@ -62,8 +62,8 @@ def initialize(args: argparse.Namespace) -> None:
         order="tp-cp-ep-pp-dp" if args.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp",  # as Megatron-LM
         create_gloo_process_groups=args.use_gloo_process_groups,
     )
-    set_seeds(args.seed, **cuda_graphs.seed_kwargs(args))
-    cuda_graphs.initialize_userbuffers(args)
+    set_seeds(args.seed, **gpu_features.seed_kwargs(args))
+    gpu_features.set_up(args)
 
 
 def shutdown() -> None:
@@ -87,7 +87,7 @@ def set_seeds(seed: int, **tracker) -> None:
     """Megatron-LM's seeding: each pipeline stage its own seed, the same on every tensor- and
     data-parallel rank (they must draw identical dropout masks on replicated activations), and
     megatron-core's tracker for the streams that differ per tensor- and expert-parallel rank (`tracker`: which
-    one, cuda_graphs.seed_kwargs)."""
+    one, gpu_features.seed_kwargs)."""
     seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
     random.seed(seed)
     np.random.seed(seed)

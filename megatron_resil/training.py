@@ -19,9 +19,9 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_batch_on_this_cp_rank, get_model_config
 
 from megatron_resil import (
-    cuda_graphs,
     events,
     exit_codes,
+    gpu_features,
     launcher_watch,
     moe_metrics,
     parallel,
@@ -183,7 +183,7 @@ def train(args, model, optimizer, scheduler, checkpoints, progress: TrainProgres
     if args.check_weight_hash_across_dp_replicas_interval is not None:  # before training too, as Megatron-LM
         with params_in_sync(model, args):
             stop = weight_hashes.check(model, progress.iteration)  # replicas apart: a stop, nothing saved
-    graphs, first_iteration = cuda_graphs.GraphCapture(args, model, optimizer), progress.iteration
+    graphs, first_iteration = gpu_features.GraphCapture(args, model, optimizer), progress.iteration
     while stop is None and progress.iteration < args.train_iters:
         graphs.before_iteration(progress.iteration - first_iteration)
         with ft.step(), signal_handler.stepping():  # an injected hang or slowness counts as the iteration's

@@ -276,22 +276,27 @@ def test_cuda_graphs_userbuffers_and_op_fuser_on_cpu_one_warning_each_and_ignore
     """They only replay or overlap GPU work: the run is the same without them."""
     args = parse_args(_base("--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn",
                             "--cuda-graph-warmup-steps", "0", "--te-rng-tracker", "--tp-comm-overlap",
-                            "--tp-comm-overlap-cfg", "ub.yaml", "--use-transformer-engine-op-fuser"),
+                            "--tp-comm-overlap-cfg", "ub.yaml", "--use-transformer-engine-op-fuser",
+                            "--fine-grained-activation-offloading", "--offload-modules", "core_attn"),
                       world_size=1)
     assert (args.cuda_graph_impl, args.te_rng_tracker, args.tp_comm_overlap,
-            args.use_transformer_engine_op_fuser) == ("none", False, False, False)
+            args.use_transformer_engine_op_fuser, args.fine_grained_activation_offloading) == \
+        ("none", False, False, False, False)
     warnings = capsys.readouterr().err.splitlines()
-    assert [w.split(" ")[2] for w in warnings] == ["--use-transformer-engine-op-fuser", "--tp-comm-overlap",
-                                                   "--cuda-graph-impl", "--te-rng-tracker"], warnings
+    assert [w.split(" ")[2] for w in warnings] == [
+        "--use-transformer-engine-op-fuser", "--fine-grained-activation-offloading", "--tp-comm-overlap",
+        "--cuda-graph-impl", "--te-rng-tracker"], warnings
     assert all(w.endswith("ignored without CUDA") for w in warnings), warnings
-    assert "--cuda-graph-impl transformer_engine only replays captured GPU work (same results)" in warnings[2]
+    assert "--cuda-graph-impl transformer_engine only replays captured GPU work (same results)" in warnings[3]
+    assert "--fine-grained-activation-offloading only manages GPU memory (same results)" in warnings[1]
 
 
-def test_cuda_graphs_and_userbuffers_reach_megatron_cores_config_on_a_gpu_host(gpu_host, tmp_path, capsys):
+def test_cuda_graphs_userbuffers_offloading_reach_megatron_cores_config_on_a_gpu_host(gpu_host, tmp_path,
+                                                                                       capsys):
     """As Megatron-LM: the deprecated switch becomes --cuda-graph-impl, CUDA graphs with Transformer Engine
-    turn its RNG tracker on, and the config gets the implementation, the modules, the warm-up and the
-    userbuffer switch (the modules under the name the installed megatron-core uses)."""
-    from megatron_resil import cuda_graphs
+    turn its RNG tracker on, and the config gets the implementation, the modules, the warm-up, the
+    userbuffer switch (the modules under the name the installed megatron-core uses) and what is offloaded."""
+    from megatron_resil import gpu_features
 
     cfg = tmp_path / "ub.yaml"
     cfg.write_text("qkv_fprop:\n  method: ring_exchange\n")
@@ -304,19 +309,26 @@ def test_cuda_graphs_and_userbuffers_reach_megatron_cores_config_on_a_gpu_host(g
         "pretrain.py: warning: --cuda-graph-scope is deprecated, use --cuda-graph-modules instead.",
         "pretrain.py: warning: te_rng_tracker is not enabled, enabling it for CUDA graphs."]
     config = {**flag_table.config_kwargs(args, arguments.FLAGS, "TransformerConfig"),
-              **cuda_graphs.config_kwargs(args)}
+              **gpu_features.config_kwargs(args)}
     modules = "cuda_graph_modules" if "cuda_graph_modules" in config else "cuda_graph_scope"
     assert {k: config[k] for k in ("cuda_graph_impl", "cuda_graph_warmup_steps", "use_te_rng_tracker",
                                    "tp_comm_overlap", modules)} == \
         {"cuda_graph_impl": "local", "cuda_graph_warmup_steps": 2, "use_te_rng_tracker": True,
          "tp_comm_overlap": True, modules: ["attn", "mlp"]}
-    assert cuda_graphs.seed_kwargs(args) == {"te_rng_tracker": True, "use_cudagraphable_rng": True}
+    assert gpu_features.seed_kwargs(args) == {"te_rng_tracker": True, "use_cudagraphable_rng": True}
     assert "--tp-comm-overlap needs --sequence-parallel" in _refused(
         _base("--tensor-model-parallel-size", "2", "--tp-comm-overlap"), capsys, world_size=2)
     assert "--tp-comm-overlap-cfg nowhere.yaml: no such file" in _refused(
         _base(*tp2, "--tp-comm-overlap", "--tp-comm-overlap-cfg", "nowhere.yaml"), capsys, world_size=2)
     assert "full_iteration is not supported here" in _refused(
         _base("--cuda-graph-impl", "full_iteration"), capsys)
+    args = parse_args(_base("--fine-grained-activation-offloading", "--offload-modules", "core_attn",
+                            "attn_proj"), world_size=1)
+    config = flag_table.config_kwargs(args, arguments.FLAGS, "TransformerConfig")
+    assert config["fine_grained_activation_offloading"] and config["offload_modules"] == ["core_attn",
+                                                                                         "attn_proj"]
+    assert "--fine-grained-activation-offloading needs --transformer-impl transformer_engine" in _refused(
+        _base("--fine-grained-activation-offloading", "--transformer-impl", "local"), capsys)
 
 
 def test_op_fuser_on_a_gpu_host_reaches_the_config_or_is_ignored_where_megatron_core_lacks_it(gpu_host,

@@ -1,11 +1,13 @@
 """Flags of Megatron-LM's GPU-only features: overlaps, offloading, CUDA graphs, profiling and memory
 housekeeping, Transformer Engine's userbuffers. Without CUDA, one that only changes speed or memory is
-ignored with one warning line; what is not wired here is refused with one line, on any device. (fp8 is
-with the other precisions; megatron_resil/cuda_graphs.py drives the CUDA graphs on GPU.)"""
+ignored with one warning line; on GPU megatron-core's configs get them and megatron_resil/gpu_features.py
+drives what the training loop must (--cuda-graph-impl full_iteration, not wired, is refused with one line).
+fp8 is with the other precisions."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 
 from megatron_resil.arguments.errors import ArgumentError
@@ -18,8 +20,9 @@ OVERLAP = "only overlaps GPU work (same results)"
 MEMORY = "only manages GPU memory (same results)"
 PROFILE = "only drives the CUDA profiler"
 GRAPH = "only replays captured GPU work (same results)"
+OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act",
+                   "fused_group_mlp")
 GRAPH_MODULES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba", "full")
-NOT_WIRED = "not supported yet here ({}); drop it"
 
 FLAGS = (
     Flag("--use-transformer-engine-op-fuser", to=TC, gpu=KERNEL,
@@ -32,10 +35,12 @@ FLAGS = (
          help="delay weight-gradient GEMMs to overlap them with communication"),
     Flag("--overlap-moe-expert-parallel-comm", to=TC, gpu=OVERLAP,
          help="overlap the experts' all-to-all with another microbatch's computation"),
-    Flag("--fine-grained-activation-offloading",
-         refuse=NOT_WIRED.format("the training loop does not drive megatron-core's offloading")),
-    Flag("--offload-modules", [], str, nargs="+",
-         help="what --fine-grained-activation-offloading offloads (not supported here): changes nothing"),
+    Flag("--fine-grained-activation-offloading", to=TC, gpu=MEMORY,
+         help="offload the inputs of --offload-modules to CPU memory during the forward pass"),
+    Flag("--offload-modules", [], str, nargs="+", to=TC, choices=OFFLOAD_MODULES,
+         help="what --fine-grained-activation-offloading offloads"),
+    Flag("--min-offloaded-tensor-size", 1024 * 1024, int, to=TC,
+         help="smallest tensor (elements) --fine-grained-activation-offloading offloads"),
     Flag("--empty-unused-memory-level", 0, int, choices=(0, 1, 2), gpu=MEMORY,
          help="release cached CUDA memory after each step (1) and also after evaluation (2)"),
     Flag("--profile", gpu=PROFILE, help="start the CUDA profiler (nsys) for --profile-step-start .. end"),
@@ -76,6 +81,8 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     if args.wgrad_deferral_limit < 0:
         raise ArgumentError("--wgrad-deferral-limit must not be negative")
     _cuda_graphs(args)
+    if args.fine_grained_activation_offloading:
+        _offloading(args)
     if args.tp_comm_overlap:
         if not args.sequence_parallel:  # as Megatron-LM asserts
             raise ArgumentError("--tp-comm-overlap needs --sequence-parallel (and "
@@ -85,6 +92,26 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
                                 "userbuffers)")
         if args.tp_comm_overlap_cfg is not None and not os.path.isfile(args.tp_comm_overlap_cfg):
             raise ArgumentError(f"--tp-comm-overlap-cfg {args.tp_comm_overlap_cfg}: no such file")
+
+
+def _offloading(args: argparse.Namespace) -> None:
+    """Megatron-LM's checks: Transformer Engine's layers, and from Transformer Engine 2.10 its version 1
+    offloading (NVTE_CPU_OFFLOAD_V1=1), which leaves the weights in place."""
+    if args.transformer_impl != "transformer_engine":
+        raise ArgumentError("--fine-grained-activation-offloading needs --transformer-impl "
+                            "transformer_engine")
+    te = _transformer_engine_version()
+    if te is not None and te >= (2, 10) and os.environ.get("NVTE_CPU_OFFLOAD_V1", "0") != "1":
+        raise ArgumentError("--fine-grained-activation-offloading with Transformer Engine 2.10 or later "
+                            "needs NVTE_CPU_OFFLOAD_V1=1 in the environment (so weights are not offloaded)")
+
+
+def _transformer_engine_version() -> tuple[int, ...] | None:
+    try:
+        version = importlib.metadata.version("transformer-engine")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return tuple(int(part) for part in version.split(".")[:2] if part.isdigit())
 
 
 def _cuda_graphs(args: argparse.Namespace) -> None:

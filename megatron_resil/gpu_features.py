@@ -1,8 +1,10 @@
-"""CUDA graphs and Transformer Engine's userbuffers on GPU, driven as Megatron-LM drives them
-(d98e8a6, megatron/training/{training,initialize}.py). --cuda-graph-impl local: megatron-core's own
+"""The GPU-only features the training loop drives, as Megatron-LM drives them (d98e8a6,
+megatron/training/{training,initialize}.py): CUDA graphs (--cuda-graph-impl local: megatron-core's own
 per-layer graphs, which its pipeline schedules capture and replay; transformer_engine: megatron-core's
-TECudaGraphHelper, captured here once --cuda-graph-warmup-steps iterations have run. Without CUDA the flags
-were ignored at start-up (arguments/gpu_features.py), so on CPU nothing here does anything.
+TECudaGraphHelper, captured here once --cuda-graph-warmup-steps iterations have run), Transformer Engine's
+userbuffers (--tp-comm-overlap) and fine-grained activation offloading (megatron-core's schedules offload;
+this pins the rank's CPU threads near its GPU). Without CUDA the flags were ignored at start-up
+(arguments/gpu_features.py), so on CPU nothing here does anything.
 Read against Megatron-LM, not run: no GPU has run this code yet."""
 
 from __future__ import annotations
@@ -27,11 +29,19 @@ def seed_kwargs(args: argparse.Namespace) -> dict:
     return {"te_rng_tracker": args.te_rng_tracker, "use_cudagraphable_rng": args.cuda_graph_impl != "none"}
 
 
-def initialize_userbuffers(args: argparse.Namespace) -> None:
+def set_up(args: argparse.Namespace) -> None:
+    """After the process groups: the userbuffers, and the CPU affinity activation offloading wants."""
+    if args.tp_comm_overlap:
+        _initialize_userbuffers(args)
+    if args.fine_grained_activation_offloading:
+        from megatron.core.pipeline_parallel.utils import set_ideal_affinity_for_current_gpu
+
+        set_ideal_affinity_for_current_gpu()
+
+
+def _initialize_userbuffers(args: argparse.Namespace) -> None:
     """--tp-comm-overlap: Transformer Engine's userbuffers for the tensor-parallel GEMMs, sized for one
     microbatch's sequence on this context-parallel rank (Megatron-LM's _initialize_tp_communicators)."""
-    if not args.tp_comm_overlap:
-        return
     import inspect
 
     import yaml
