@@ -89,7 +89,8 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         raise ArgumentError("--micro-batch-size must be positive")
     if args.optimizer not in ("adam", "sgd"):
         raise ArgumentError(f"--optimizer {args.optimizer}: Megatron-LM's emerging optimizers are not "
-                            "supported here; use adam or sgd")
+                            "supported here yet (megatron-core's need the emerging_optimizers package, "
+                            "Python 3.12 or later); use adam or sgd")
     if args.lr is None:
         raise ArgumentError("--lr is required")
     if args.min_lr > args.lr:
