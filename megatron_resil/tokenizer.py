@@ -1,6 +1,7 @@
 """The tokenizers under Megatron-LM's --tokenizer-type names: NullTokenizer, GPT2BPETokenizer
 (tokenizer_files.py), SentencePieceTokenizer (and GPTSentencePieceTokenizer, Llama2Tokenizer, which
-Megatron-LM builds the same way), and a UTF-8 byte tokenizer that needs no files.
+Megatron-LM builds the same way), HuggingFaceTokenizer and TikTokenizer (megatron-core's, as Megatron-LM
+builds them from its flags), and a UTF-8 byte tokenizer that needs no files.
 
 All expose what training and megatron-core's datasets read: `vocab_size` (unpadded), `eod`,
 `tokenize`, `detokenize`, and `unique_identifiers` (hashed into the dataset index cache keys).
@@ -18,7 +19,15 @@ from megatron.core.tokenizers.text.libraries.sentencepiece_tokenizer import (
     SentencePieceTokenizer as _CoreSentencePieceTokenizer,
 )
 
-from megatron_resil.tokenizer_files import SENTENCEPIECE_TYPES, GPT2BPETokenizer, check_sentencepiece_model
+from megatron_resil.tokenizer_files import (
+    SENTENCEPIECE_TYPES,
+    TIKTOKEN_DEFAULT_VOCAB_SIZE,
+    GPT2BPETokenizer,
+    check_huggingface_tokenizer,
+    check_sentencepiece_model,
+    check_tiktoken_vocab,
+    huggingface_tokenizer_dir,
+)
 
 
 class NullTokenizer:
@@ -90,12 +99,73 @@ class SentencePieceTokenizer:
         return self._core.ids_to_text([int(i) for i in ids])
 
 
-Tokenizer = NullTokenizer | ByteTokenizer | GPT2BPETokenizer | SentencePieceTokenizer
+class HuggingFaceTokenizer:
+    """megatron-core's HuggingFaceTokenizer (transformers' AutoTokenizer) on a local directory: the
+    vocabulary is len(tokenizer) with any added special tokens, EOD its eos_token (else sep_token)."""
+
+    def __init__(self, name_or_dir: str, special_tokens: list[str] | None = None, use_fast: bool = True,
+                 include_special_tokens: bool = True, trust_remote_code: bool = False) -> None:
+        check_huggingface_tokenizer(name_or_dir, trust_remote_code)  # a wrong directory: one line
+        # Imported here: the module imports transformers (a second or two) whenever it is installed.
+        from megatron.core.tokenizers.text.libraries.huggingface_tokenizer import (
+            HuggingFaceTokenizer as _CoreHuggingFaceTokenizer,
+        )
+
+        self._core = _CoreHuggingFaceTokenizer(
+            huggingface_tokenizer_dir(name_or_dir), additional_special_tokens=list(special_tokens or []),
+            use_fast=use_fast, trust_remote_code=trust_remote_code,
+            include_special_tokens=include_special_tokens)
+        self.vocab_size: int = self._core.vocab_size
+        self.eod: int = self._core.eod
+        self.unique_identifiers = OrderedDict(
+            [("class", type(self).__name__), ("tokenizer_model", name_or_dir),
+             ("include_special_tokens", include_special_tokens), ("vocab_size", self.vocab_size)])
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self._core.text_to_ids(text))
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        # Special tokens (EOD, BOS) are left out, as megatron-core 0.16 does by default.
+        return self._core.ids_to_text([int(i) for i in ids], remove_special_tokens=True)
+
+
+class TikTokenizer:
+    """megatron-core's TikTokenTokenizer on Megatron's tiktoken vocabulary (.json): ids below
+    num_special_tokens are the special tokens, then the vocabulary's first vocab_size - num_special_tokens
+    tokens; EOD is </s>."""
+
+    def __init__(self, vocab_json: str, pattern: str | None, vocab_size: int | None,
+                 num_special_tokens: int, special_tokens: list[str] | None) -> None:
+        check_tiktoken_vocab(vocab_json, vocab_size, num_special_tokens, special_tokens)
+        from megatron.core.tokenizers.text.libraries.tiktoken_tokenizer import TikTokenTokenizer
+
+        self._core = TikTokenTokenizer(
+            vocab_json, special_tokens=special_tokens, num_special_tokens=num_special_tokens,
+            pattern=pattern or "v2", vocab_size=vocab_size or TIKTOKEN_DEFAULT_VOCAB_SIZE)
+        self._num_special_tokens = num_special_tokens
+        self.vocab_size: int = self._core.vocab_size
+        self.eod: int = self._core.eod
+        self.unique_identifiers = OrderedDict(
+            [("class", type(self).__name__), ("tokenizer_model", vocab_json), ("pattern", pattern or "v2"),
+             ("num_special_tokens", num_special_tokens), ("vocab_size", self.vocab_size)])
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self._core.text_to_ids(text))
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        # Special tokens are left out. The bytes are joined before decoding (megatron-core 0.19 does;
+        # 0.16's ids_to_text decodes token by token and breaks a character split across two tokens).
+        kept = [int(i) for i in ids if int(i) >= self._num_special_tokens]
+        return self._core.tokenizer.decode(kept)
+
+
+Tokenizer = (NullTokenizer | ByteTokenizer | GPT2BPETokenizer | SentencePieceTokenizer | HuggingFaceTokenizer
+             | TikTokenizer)
 
 
 def build_tokenizer(args: argparse.Namespace) -> Tokenizer:
-    """Build the tokenizer named by `args.tokenizer_type` (NullTokenizer also reads `args.vocab_size`,
-    GPT2BPETokenizer `args.vocab_file` and `args.merge_file`, SentencePiece `args.tokenizer_model`)."""
+    """Build the tokenizer named by `args.tokenizer_type` from the flags Megatron-LM reads for it
+    (arguments/tokenizer.py)."""
     if args.tokenizer_type == "NullTokenizer":
         if getattr(args, "vocab_size", None) is None:
             raise ValueError("NullTokenizer needs a vocab_size")
@@ -106,4 +176,12 @@ def build_tokenizer(args: argparse.Namespace) -> Tokenizer:
         return GPT2BPETokenizer(args.vocab_file, args.merge_file)
     if args.tokenizer_type in SENTENCEPIECE_TYPES:
         return SentencePieceTokenizer(args.tokenizer_model)
+    if args.tokenizer_type == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(
+            args.tokenizer_model, args.tokenizer_special_tokens, use_fast=not args.tokenizer_hf_no_use_fast,
+            include_special_tokens=not args.tokenizer_hf_no_include_special_tokens,
+            trust_remote_code=args.trust_remote_code)
+    if args.tokenizer_type == "TikTokenizer":
+        return TikTokenizer(args.tokenizer_model, args.tiktoken_pattern, args.vocab_size,
+                            args.tiktoken_num_special_tokens, args.tokenizer_special_tokens)
     raise ValueError(f"unknown tokenizer_type {args.tokenizer_type!r}")

@@ -1,6 +1,6 @@
 """The tokenizers' own files, read with the optional packages that run them, before megatron-core is
-imported (so start-up checks stop on a wrong file with one line): GPT-2's vocab.json and merges.txt, and
-a SentencePiece model.
+imported (so start-up checks stop on a wrong file with one line): GPT-2's vocab.json and merges.txt,
+a SentencePiece model, a Hugging Face tokenizer directory and Megatron's tiktoken vocabulary (.json).
 
 GPT2BPETokenizer is GPT-2's byte-level BPE run by Hugging Face's `tokenizers` package. megatron-core (0.16
 and 0.19) builds this tokenizer through transformers' AutoTokenizer("gpt2"), which
@@ -11,8 +11,11 @@ one EOD token, vocab_size = the entries of vocab.json.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import importlib
 import json
+import os
 from collections import OrderedDict
 from collections.abc import Iterable
 from types import ModuleType
@@ -20,6 +23,9 @@ from types import ModuleType
 EOD_TOKEN = "<|endoftext|>"
 # Megatron-LM (megatron-core's build_tokenizer) builds these three alike, from --tokenizer-model.
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+# megatron-core's TikTokenTokenizer: the special tokens it requires, and its vocabulary size by default.
+TIKTOKEN_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<mask>", "<pad>", "<cls>", "<sep>")
+TIKTOKEN_DEFAULT_VOCAB_SIZE = 2**17
 
 
 class TokenizerFileError(ValueError):
@@ -33,6 +39,89 @@ def require_package(package: str, needed_by: str) -> ModuleType:
     except ImportError:
         raise TokenizerFileError(f"{needed_by} needs the {package} package: pip install {package} "
                                  "(or pip install megatron-resil[tokenizers])") from None
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
+
+
+def check_tiktoken_vocab(path: str, vocab_size: int | None, num_special_tokens: int,
+                         special_tokens: list[str] | None) -> None:
+    """Megatron's tiktoken vocabulary (a JSON list of {rank, token_bytes, token_str}, the 256 single bytes
+    first) holding the --vocab-size less --tiktoken-num-special-tokens tokens megatron-core will take."""
+    require_package("tiktoken", "--tokenizer-type TikTokenizer")
+    where = f"--tokenizer-model {path}"
+    if not path.endswith(".json"):
+        raise TokenizerFileError(f"{where}: TikTokenizer reads Megatron's tiktoken vocabulary, a .json file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            vocab = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise TokenizerFileError(f"{where}: not a tiktoken vocabulary ({_first_line(err)})") from None
+    if not isinstance(vocab, list):
+        raise TokenizerFileError(f"{where}: not a tiktoken vocabulary (a JSON list of tokens)")
+    for i, token in enumerate(vocab):
+        if not isinstance(token, dict) or token.keys() != {"rank", "token_bytes", "token_str"}:
+            raise TokenizerFileError(f"{where}: entry {i} is not {{rank, token_bytes, token_str}}")
+        try:
+            token_bytes = base64.b64decode(token["token_bytes"], validate=True)
+        except (binascii.Error, TypeError, ValueError):
+            raise TokenizerFileError(f"{where}: entry {i}: token_bytes is not base64") from None
+        if token["rank"] != i or (i < 256 and token_bytes != bytes([i])):
+            raise TokenizerFileError(f"{where}: entry {i} has rank {token['rank']}; the ranks must count "
+                                     "from 0, the 256 single bytes first")
+    specials = list(TIKTOKEN_SPECIAL_TOKENS) if special_tokens is None else special_tokens
+    missing = [t for t in TIKTOKEN_SPECIAL_TOKENS if t not in specials]
+    if missing or len(set(specials)) != len(specials):
+        raise TokenizerFileError(f"--tokenizer-special-tokens {' '.join(specials)}: must be unique and "
+                                 f"include {' '.join(TIKTOKEN_SPECIAL_TOKENS)}")
+    size = TIKTOKEN_DEFAULT_VOCAB_SIZE if vocab_size is None else vocab_size
+    size_flag = f"--vocab-size {size}" + (" (the default)" if vocab_size is None else "")
+    if not len(specials) <= num_special_tokens < size:
+        raise TokenizerFileError(f"--tiktoken-num-special-tokens {num_special_tokens}: must be at least the "
+                                 f"{len(specials)} special tokens and below {size_flag}")
+    if len(vocab) < size - num_special_tokens:
+        raise TokenizerFileError(f"{where}: {len(vocab)} tokens, fewer than {size_flag} less "
+                                 f"--tiktoken-num-special-tokens {num_special_tokens} asks for; pass "
+                                 f"--vocab-size {len(vocab) + num_special_tokens} (or less)")
+
+
+def huggingface_tokenizer_dir(name_or_dir: str) -> str:
+    """The local directory of a Hugging Face tokenizer: --tokenizer-model itself, or a hub name's snapshot
+    already in the local Hugging Face cache. Nothing is downloaded."""
+    where = f"--tokenizer-model {name_or_dir}"
+    if os.path.isdir(name_or_dir):
+        if not os.access(name_or_dir, os.R_OK | os.X_OK):
+            raise TokenizerFileError(f"{where}: directory not readable (permissions)")
+        return name_or_dir
+    if os.path.exists(name_or_dir):
+        raise TokenizerFileError(f"{where}: a file; HuggingFaceTokenizer reads the directory of a tokenizer "
+                                 "(tokenizer.save_pretrained(DIR))")
+    hub = require_package("huggingface_hub", "--tokenizer-type HuggingFaceTokenizer")
+    try:
+        return hub.snapshot_download(repo_id=name_or_dir, local_files_only=True)
+    except (OSError, ValueError):  # not in the cache, or not a hub name at all
+        raise TokenizerFileError(f"{where}: no such directory, nor a hub name in the local Hugging Face "
+                                 "cache; nothing is downloaded here: pass the tokenizer's directory "
+                                 "(tokenizer.save_pretrained(DIR))") from None
+
+
+def check_huggingface_tokenizer(name_or_dir: str, trust_remote_code: bool) -> None:
+    """A tokenizer transformers loads from its local directory, with the end-of-sentence (or separator)
+    token megatron-core's HuggingFaceTokenizer takes as end of document."""
+    directory = huggingface_tokenizer_dir(name_or_dir)
+    transformers = require_package("transformers", "--tokenizer-type HuggingFaceTokenizer")
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code,
+                                                               local_files_only=True)
+    except Exception as err:  # transformers raises OSError, ValueError, KeyError, ... for a wrong directory
+        raise TokenizerFileError(f"--tokenizer-model {name_or_dir}: not a Hugging Face tokenizer "
+                                 f"({_first_line(err)})") from None
+    if tokenizer.eos_token is None and tokenizer.sep_token is None:
+        raise TokenizerFileError(f"--tokenizer-model {name_or_dir}: the tokenizer has no eos_token (nor "
+                                 "sep_token), which Megatron uses as end of document; set one in its "
+                                 "tokenizer_config.json")
 
 
 def check_sentencepiece_model(model_file: str) -> None:

@@ -28,10 +28,11 @@ def write_jsonl(path: Path, records: list[object]) -> Path:
 
 
 def preprocess(tmp_path: Path, texts: list[str] = TEXTS, name: str = "corpus", *extra: str) -> str:
-    prefix = str(tmp_path / name)
+    """The dataset's prefix: Megatron-LM's name, {output_prefix}_{json_key}_document."""
     jsonl = write_jsonl(tmp_path / f"{name}.jsonl", [{"text": t} for t in texts])
-    preprocess_data.main(["--input", str(jsonl), "--output-prefix", prefix, "--append-eod", *extra])
-    return prefix
+    preprocess_data.main(["--input", str(jsonl), "--output-prefix", str(tmp_path / name), "--append-eod",
+                          *extra])
+    return str(tmp_path / f"{name}_text_document")
 
 
 def data_args(tmp_path: Path, **overrides) -> argparse.Namespace:
@@ -91,7 +92,8 @@ def test_preprocess_round_trips_bytes(tmp_path, capsys):
         ids = ds[i].tolist()
         assert ids[-1] == 256
         assert bytes(ids[:-1]).decode("utf-8") == text
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.bin", "corpus.idx", "corpus.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl", "corpus_text_document.bin",
+                                                          "corpus_text_document.idx"]
 
 
 def test_preprocess_null_tokenizer(tmp_path):
@@ -106,7 +108,7 @@ def test_failed_preprocess_keeps_previous_outputs(tmp_path, capsys):
     before = {s: Path(prefix + s).read_bytes() for s in (".bin", ".idx")}
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"text": "a"}, {"text": "b"}, {"txt": "c"}])
     with pytest.raises(SystemExit):
-        preprocess_data.main(["--input", str(bad), "--output-prefix", prefix])
+        preprocess_data.main(["--input", str(bad), "--output-prefix", prefix.removesuffix("_text_document")])
     assert {s: Path(prefix + s).read_bytes() for s in (".bin", ".idx")} == before
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
 

@@ -24,11 +24,12 @@ def test_preprocessed_jsonl_trains_and_checkpoints(tmp_path):
                            "--input", str(corpus), "--output-prefix", str(prefix), "--append-eod"],
                           env=launch.env(), cwd=launch.REPO, capture_output=True, text=True, timeout=120)
     assert prep.returncode == 0, prep.stderr
-    assert (tmp_path / "data" / "corpus.bin").stat().st_size > 0
+    # Megatron-LM's name: {output_prefix}_{json_key}_document
+    assert (tmp_path / "data" / "corpus_text_document.bin").stat().st_size > 0
 
     save = tmp_path / "ckpt"
-    args = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-            "--seq-length", "32", "--tokenizer-type", "ByteTokenizer", "--data-path", str(prefix),
+    args = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--tokenizer-type", "ByteTokenizer", "--data-path", f"{prefix}_text_document",
             "--split", "90,10,0", "--micro-batch-size", "2", "--train-iters", "6", "--lr", "1e-3",
             "--log-interval", "1", "--eval-interval", "3", "--eval-iters", "1",
             "--save", str(save), "--save-interval", "3"]

@@ -1,12 +1,17 @@
 """Tokenizers from real files made here: a small byte-level BPE trained with `tokenizers` and saved as GPT-2's
 vocab.json and merges.txt, read back the way Megatron-LM reads --vocab-file and --merge-file and checked
 against OpenAI's GPT-2 encoding algorithm; a small SentencePiece model for --tokenizer-model, checked against
-the sentencepiece package. Both preprocessed with Megatron-LM's flags; GPT-2's trained on."""
+the sentencepiece package; the same BPE saved as a Hugging Face tokenizer directory (HuggingFaceTokenizer),
+checked against transformers; a tiny tiktoken vocabulary in Megatron's JSON (TikTokenizer), checked against
+tiktoken. Each preprocessed with Megatron-LM's flags into Megatron-LM's file names, and trained on."""
 
 from __future__ import annotations
 
 import argparse
+import base64
+import collections
 import json
+import os
 import re
 import subprocess
 import sys
@@ -20,6 +25,7 @@ from megatron_resil.arguments import parse_args
 from megatron_resil.model import padded_vocab_size
 from megatron_resil.tokenizer import SentencePieceTokenizer, build_tokenizer
 from megatron_resil.tokenizer_files import EOD_TOKEN, GPT2BPETokenizer
+from megatron_resil.tools import preprocess_data
 from tests import launch
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -172,7 +178,7 @@ def test_wrong_tokenizer_input_stops_with_one_line(gpt2_files, tmp_path, case):
         flags = ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", vocab_file]
         expected = f"--tokenizer-model {vocab_file}: not a SentencePiece model"
     else:
-        flags, expected = ["--tokenizer-type", "TikTokenizer"], "TikTokenizer is not built yet here"
+        flags, expected = ["--tokenizer-type", "BertWordPieceCase"], "BertWordPieceCase is not built here"
     result = launch.run_single([*_pretrain_args(*flags), "--check-args-only"])
     assert result.returncode == 2, result.stderr
     assert expected in result.stderr
@@ -202,13 +208,13 @@ def preprocess(tmp_path: Path, texts: list[str], *tokenizer_flags: str) -> tuple
     """Megatron-LM's tools/preprocess_data.py command line; returns the prefix and any error."""
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
-    prefix = str(tmp_path / "corpus")
     result = subprocess.run(
         [sys.executable, "-m", "megatron_resil.tools.preprocess_data", "--input", str(corpus),
-         "--output-prefix", prefix, "--json-keys", "text", *tokenizer_flags, "--append-eod",
+         "--output-prefix", str(tmp_path / "corpus"), "--json-keys", "text", *tokenizer_flags, "--append-eod",
          "--workers", "2"],
         env=launch.env(), cwd=launch.REPO, capture_output=True, text=True, timeout=120)
-    return prefix, result.stdout + result.stderr if result.returncode else ""
+    # Megatron-LM's tools/preprocess_data.py names them {output_prefix}_{json_key}_{level}.
+    return str(tmp_path / "corpus_text_document"), result.stdout + result.stderr if result.returncode else ""
 
 
 def preprocess_gpt2(tmp_path: Path, vocab_file: str, merge_file: str, texts: list[str]) -> tuple[str, str]:
@@ -253,4 +259,246 @@ def test_two_ranks_train_on_gpt2_tokenized_data(gpt2_files, tmp_path):
     losses = launch.losses(result.stdout)
     assert sorted(losses) == [1, 2, 3]
     # Near-zero initial logits make the first loss ln(outputs): the vocabulary of 300 padded to 384.
+    assert abs(float(losses[1][0]) - numpy.log(384)) < 0.1, losses
+
+
+# HuggingFaceTokenizer and TikTokenizer
+
+HF_TEXTS = [*CORPUS, "unseen: Ωmega 東京 🙂"]
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer_dir(tmp_path_factory) -> str:
+    """A Hugging Face tokenizer directory as save_pretrained writes it: a 300-token byte-level BPE whose
+    post-processor starts every text with <s>; its eos_token is <|endoftext|>."""
+    transformers = pytest.importorskip("transformers")
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = tokenizers.decoders.ByteLevel()
+    bpe.train_from_iterator(CORPUS * 20, tokenizers.trainers.BpeTrainer(
+        vocab_size=300, special_tokens=[EOD_TOKEN, "<s>"],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+    bpe.post_processor = tokenizers.processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", bpe.token_to_id("<s>"))])
+    directory = tmp_path_factory.mktemp("hf_tokenizer")
+    transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOD_TOKEN,
+                                         bos_token="<s>").save_pretrained(str(directory))
+    return str(directory)
+
+
+def _byte_pair_merges(texts: list[str], merges: int) -> list[bytes]:
+    """The 256 bytes, then `merges` tokens: each time the most frequent adjacent pair of the corpus, joined.
+    No pre-tokenizing, so tokens span spaces and case changes (which the tiktoken patterns split)."""
+    words = [[bytes([b]) for b in text.encode()] for text in texts]
+    tokens = [bytes([b]) for b in range(256)]
+    while len(tokens) < 256 + merges:
+        pairs = collections.Counter(p for w in words for p in zip(w, w[1:], strict=False))
+        (a, b), _ = pairs.most_common(1)[0]
+        if a + b not in tokens:
+            tokens.append(a + b)
+        for n, word in enumerate(words):
+            merged, i = [], 0
+            while i < len(word):
+                if i + 1 < len(word) and (word[i], word[i + 1]) == (a, b):
+                    merged.append(a + b)
+                    i += 2
+                else:
+                    merged.append(word[i])
+                    i += 1
+            words[n] = merged
+    return tokens
+
+
+TIKTOKEN_SPECIALS = 10  # --tiktoken-num-special-tokens: the 7 megatron-core requires and 3 fillers
+
+
+@pytest.fixture(scope="module")
+def tiktoken_vocab(tmp_path_factory) -> tuple[str, list[bytes]]:
+    """Megatron's tiktoken vocabulary (JSON: rank, token_bytes, token_str) of 316 tokens, and its bytes."""
+    pytest.importorskip("tiktoken")
+    tokens = _byte_pair_merges([*CORPUS, "HelloWorld HelloWorld HelloWorld"] * 5, 60)
+    path = tmp_path_factory.mktemp("tiktoken") / "vocab.json"
+    path.write_text(json.dumps([{"rank": i, "token_bytes": base64.b64encode(t).decode(),
+                                 "token_str": t.decode("utf-8", errors="replace")}
+                                for i, t in enumerate(tokens)]))
+    return str(path), tokens
+
+
+def _tiktoken_flags(vocab_file: str, tokens: list[bytes], pattern: str = "v2") -> list[str]:
+    return ["--tokenizer-type", "TikTokenizer", "--tokenizer-model", vocab_file,
+            "--tiktoken-pattern", pattern,
+            "--tiktoken-num-special-tokens", str(TIKTOKEN_SPECIALS),
+            "--vocab-size", str(TIKTOKEN_SPECIALS + len(tokens))]
+
+
+def _flags_for(kind: str, hf_tokenizer_dir: str, tiktoken_vocab: tuple[str, list[bytes]]) -> list[str]:
+    if kind == "HuggingFaceTokenizer":
+        return ["--tokenizer-type", kind, "--tokenizer-model", hf_tokenizer_dir]
+    return _tiktoken_flags(*tiktoken_vocab)
+
+
+def _tokenizer_from(flags: list[str]):
+    return build_tokenizer(parse_args(_pretrain_args(*flags), world_size=1))
+
+
+def test_huggingface_directory_gives_transformers_ids_and_its_eos_as_eod(hf_tokenizer_dir):
+    transformers = pytest.importorskip("transformers")
+    reference = transformers.AutoTokenizer.from_pretrained(hf_tokenizer_dir)
+    tokenizer = _tokenizer_from(["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                                 hf_tokenizer_dir])
+    assert tokenizer.vocab_size == len(reference) == 300
+    assert tokenizer.eod == reference.convert_tokens_to_ids(EOD_TOKEN)
+    bos = reference.convert_tokens_to_ids("<s>")
+    for text in HF_TEXTS:
+        ids = tokenizer.tokenize(text)
+        # Megatron-LM's default since 0.17: text to ids adds the tokenizer's own special tokens (here <s>).
+        assert ids == reference(text).input_ids and ids[0] == bos
+        assert tokenizer.detokenize([*ids, tokenizer.eod]) == text
+    assert len(tokenizer.tokenize(CORPUS[0])) < len(CORPUS[0]), "the merges were not applied"
+    # --tokenizer-hf-no-include-special-tokens (Megatron-LM 0.16's default): the text's tokens alone.
+    plain = _tokenizer_from(["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                             hf_tokenizer_dir, "--tokenizer-hf-no-include-special-tokens"])
+    assert plain.tokenize(CORPUS[0]) == tokenizer.tokenize(CORPUS[0])[1:]
+
+
+def test_huggingface_special_tokens_are_added_to_the_vocabulary(hf_tokenizer_dir):
+    tokenizer = _tokenizer_from(["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                                 hf_tokenizer_dir, "--tokenizer-special-tokens", "<tool>", "<think>"])
+    assert tokenizer.vocab_size == 302
+    a, b = tokenizer.tokenize("a")[1:], tokenizer.tokenize("b")[1:]  # each after its <s>
+    assert tokenizer.tokenize("a<tool>b")[1:] == [*a, 300, *b]
+
+
+def test_tiktoken_vocabulary_gives_its_ranks_after_the_special_tokens(tiktoken_vocab):
+    vocab_file, tokens = tiktoken_vocab
+    tokenizer = _tokenizer_from(_tiktoken_flags(vocab_file, tokens))
+    assert tokenizer.vocab_size == TIKTOKEN_SPECIALS + len(tokens) == 326
+    assert tokenizer.eod == 2  # </s>, third of megatron-core's special tokens
+    for text in [*CORPUS, "unseen: Ωmega 東京 🙂"]:
+        ids = tokenizer.tokenize(text)
+        # Each id is the file's rank shifted past the special tokens, and the bytes are the text's.
+        assert all(TIKTOKEN_SPECIALS <= i < tokenizer.vocab_size for i in ids)
+        assert b"".join(tokens[i - TIKTOKEN_SPECIALS] for i in ids) == text.encode()
+        assert tokenizer.detokenize([*ids, tokenizer.eod]) == text
+    assert len(tokenizer.tokenize(CORPUS[0])) < len(CORPUS[0]), "the merges were not applied"
+
+
+def test_tiktoken_pattern_decides_where_tokens_may_not_span(tiktoken_vocab):
+    vocab_file, tokens = tiktoken_vocab
+    assert b"oW" in b"".join(t for t in tokens if len(t) > 1)  # merges across the case change exist
+
+    def pieces(pattern: str) -> list[bytes]:
+        tokenizer = _tokenizer_from(_tiktoken_flags(vocab_file, tokens, pattern))
+        return [tokens[i - TIKTOKEN_SPECIALS] for i in tokenizer.tokenize("HelloWorld")]
+
+    # v1 keeps a run of letters whole; v2 splits "Hello" from "World" at the capital letter.
+    assert any(b"oW" in piece for piece in pieces("v1"))
+    assert not any(b"oW" in piece for piece in pieces("v2"))
+
+
+@pytest.mark.parametrize("kind", ["HuggingFaceTokenizer", "TikTokenizer"])
+def test_preprocess_data_writes_megatron_lm_names_and_the_tokenizers_ids(hf_tokenizer_dir, tiktoken_vocab,
+                                                                          tmp_path, kind):
+    flags = _flags_for(kind, hf_tokenizer_dir, tiktoken_vocab)
+    prefix, error = preprocess(tmp_path, CORPUS, *flags)
+    assert not error, error
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix in (".bin", ".idx")) == [
+        "corpus_text_document.bin", "corpus_text_document.idx"]
+    tokenizer = _tokenizer_from(flags)
+    dataset = IndexedDataset(prefix)
+    assert [dataset[i].tolist() for i in range(len(dataset))] == [
+        tokenizer.tokenize(text) + [tokenizer.eod] for text in CORPUS]
+
+
+def test_preprocess_data_writes_one_dataset_per_json_key(tmp_path):
+    corpus = tmp_path / "in.jsonl"
+    corpus.write_text(json.dumps({"text": "body", "title": "head"}) + "\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "megatron_resil.tools.preprocess_data", "--input", str(corpus),
+         "--output-prefix", str(tmp_path / "out"), "--json-keys", "text", "title"],
+        env=launch.env(), cwd=launch.REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    # Each dataset kept referenced while read: its __del__ unmaps what dataset[0] views.
+    text = IndexedDataset(str(tmp_path / "out_text_document"))
+    title = IndexedDataset(str(tmp_path / "out_title_document"))
+    assert (bytes(text[0].tolist()), bytes(title[0].tolist())) == (b"body", b"head")
+
+
+@pytest.mark.parametrize("case", ["hf missing directory", "hf hub name not cached", "hf not a tokenizer",
+                                  "hf file", "tiktoken missing file", "tiktoken not json",
+                                  "tiktoken vocab too small", "tiktoken special tokens"])
+def test_wrong_huggingface_or_tiktoken_input_stops_with_one_line(hf_tokenizer_dir, tiktoken_vocab, tmp_path,
+                                                                 capsys, case):
+    vocab_file, tokens = tiktoken_vocab
+    hf = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    bad_json = tmp_path / "vocab.json"
+    bad_json.write_text('[{"rank": 0}]')
+    missing = tmp_path / "nope"
+    not_found = "no such directory, nor a hub name in the local Hugging Face cache; nothing is downloaded"
+    flags, expected = {
+        "hf missing directory": ([*hf, str(missing)], f"--tokenizer-model {missing}: {not_found}"),
+        "hf hub name not cached": ([*hf, "nobody-here/no-such-tokenizer"],
+                                   f"--tokenizer-model nobody-here/no-such-tokenizer: {not_found}"),
+        "hf not a tokenizer": ([*hf, str(empty)], f"--tokenizer-model {empty}: not a Hugging Face tokenizer"),
+        "hf file": ([*hf, vocab_file], f"--tokenizer-model {vocab_file}: a file"),
+        "tiktoken missing file": (_tiktoken_flags(str(tmp_path / "nope.json"), tokens),
+                                  f"--tokenizer-model {tmp_path / 'nope.json'}: no such file"),
+        "tiktoken not json": (
+            _tiktoken_flags(str(bad_json), tokens),
+            f"--tokenizer-model {bad_json}: entry 0 is not {{rank, token_bytes, token_str}}"),
+        "tiktoken vocab too small": (
+            _tiktoken_flags(vocab_file, tokens)[:-2],
+            f"--tokenizer-model {vocab_file}: 316 tokens, fewer than --vocab-size 131072 (the default) less "
+            "--tiktoken-num-special-tokens 10 asks for; pass --vocab-size 326"),
+        "tiktoken special tokens": (
+            [*_tiktoken_flags(vocab_file, tokens), "--tokenizer-special-tokens", "<unk>", "<s>", "</s>"],
+            "must be unique and include <unk> <s> </s> <mask>"),
+    }[case]
+    with pytest.raises(SystemExit) as stop:
+        parse_args(_pretrain_args(*flags), world_size=1)
+    line = capsys.readouterr().err
+    assert stop.value.code == 2 and line.count("\n") == 1 and expected in line, line
+    # preprocess_data reads the same flags and stops with the same line.
+    corpus = tmp_path / "in.jsonl"
+    corpus.write_text(json.dumps({"text": "a"}) + "\n")
+    with pytest.raises(SystemExit) as stop:
+        preprocess_data.main(["--input", str(corpus), "--output-prefix", str(tmp_path / "out"), *flags])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == line.replace("pretrain.py: error:", "preprocess_data: error:")
+
+
+@pytest.mark.parametrize("package", ["transformers", "tiktoken"])
+def test_a_missing_hf_or_tiktoken_package_is_named_with_its_pip_command(hf_tokenizer_dir, tiktoken_vocab,
+                                                                        tmp_path, package):
+    blocked = tmp_path / "blocked" / package
+    blocked.mkdir(parents=True)
+    (blocked / "__init__.py").write_text("raise ImportError('not installed')\n")
+    kind = "HuggingFaceTokenizer" if package == "transformers" else "TikTokenizer"
+    flags = _flags_for(kind, hf_tokenizer_dir, tiktoken_vocab)
+    env = {**launch.env(), "PYTHONPATH": f"{blocked.parent}{os.pathsep}{launch.REPO}"}
+    result = subprocess.run([sys.executable, launch.PRETRAIN, *_pretrain_args(*flags), "--check-args-only"],
+                            env=env, cwd=launch.REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"pretrain.py: error: --tokenizer-type {kind} needs the {package} package: pip install {package} "
+        "(or pip install megatron-resil[tokenizers])"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["HuggingFaceTokenizer", "TikTokenizer"])
+def test_a_tiny_gpt_trains_on_data_the_tokenizer_wrote(hf_tokenizer_dir, tiktoken_vocab, tmp_path, kind):
+    flags = _flags_for(kind, hf_tokenizer_dir, tiktoken_vocab)
+    texts = [f"document {i}: " + CORPUS[i % len(CORPUS)] * (1 + i % 5) for i in range(200)]
+    prefix, error = preprocess(tmp_path, texts, *flags)
+    assert not error, error
+    training = [flag for flag in launch.TINY_TRAINING if flag != "--mock-data"]
+    model = launch.TINY_MODEL[:launch.TINY_MODEL.index("--tokenizer-type")]
+    result = launch.run([*model, *training, "--train-iters", "3", "--data-path", prefix, "--split", "90,10,0",
+                         *flags], nproc=1)
+    assert result.returncode == 0, result.stdout[-3000:]
+    losses = launch.losses(result.stdout)
+    assert sorted(losses) == [1, 2, 3]
+    # Near-zero initial logits make the first loss ln(outputs): 300 or 326 tokens, padded to 384.
     assert abs(float(losses[1][0]) - numpy.log(384)) < 0.1, losses

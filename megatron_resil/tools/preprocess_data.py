@@ -1,12 +1,12 @@
-"""JSONL to megatron-core indexed dataset (PREFIX.bin + PREFIX.idx), one document per line.
+"""JSONL to megatron-core indexed datasets, one document per line, named as Megatron-LM's
+tools/preprocess_data.py names them: PREFIX_KEY_document.bin and .idx for each --json-keys KEY.
 
 Outputs appear atomically: a reader sees the previous pair, no pair, or the complete new pair.
 Bad input ends in one line on stderr naming the file, line or flag, and exit code 2.
 """
 
-from __future__ import annotations
-
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -22,11 +22,15 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
-    from megatron_resil.arguments.data import BUILT_TOKENIZERS, MEGATRON_TOKENIZERS
+    from megatron_resil.arguments import tokenizer as tokenizer_args
+    from megatron_resil.arguments.errors import ArgumentError
+    from megatron_resil.arguments.flag_table import add_flags
     from megatron_resil.tokenizer import build_tokenizer
-    from megatron_resil.tokenizer_files import SENTENCEPIECE_TYPES, TokenizerFileError
+    from megatron_resil.tokenizer_files import TokenizerFileError
 
 PROG = "preprocess_data"
+# Megatron-LM's level without --split-sentences (which is not built here): one document per JSON line.
+LEVEL = "document"
 
 
 class InputError(Exception):
@@ -45,22 +49,26 @@ def _fail(message: str) -> NoReturn:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, allow_abbrev=False,
-                     description="Tokenize a JSONL file into a megatron-core indexed dataset.")
+                     description="Tokenize a JSONL file into megatron-core indexed datasets.")
     parser.add_argument("--input", required=True, help="JSONL file, one JSON object per line")
-    parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
-    parser.add_argument("--json-keys", default="text", metavar="KEY",
-                        help="field holding each document's text (one key)")
+    parser.add_argument("--output-prefix", required=True,
+                        help=f"writes PREFIX_KEY_{LEVEL}.bin and .idx for each --json-keys KEY")
+    parser.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
+                        help="fields holding each document's text, one dataset each (default: text)")
     parser.add_argument("--append-eod", action="store_true",
                         help="end every non-empty document with the EOD token")
-    parser.add_argument("--tokenizer-type", choices=("ByteTokenizer", *MEGATRON_TOKENIZERS),
-                        default="ByteTokenizer", help="built here: " + ", ".join(BUILT_TOKENIZERS))
-    parser.add_argument("--vocab-size", type=int, default=None, help="vocabulary size for NullTokenizer")
-    parser.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: GPT-2's vocab.json")
-    parser.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: GPT-2's merges.txt")
-    parser.add_argument("--tokenizer-model", default=None, help="SentencePieceTokenizer: the .model file")
+    # pretrain.py's tokenizer rows; the byte tokenizer (no files) by default.
+    rows = [dataclasses.replace(flag, default="ByteTokenizer") if flag is tokenizer_args.TYPE_FLAG else flag
+            for flag in tokenizer_args.FLAGS]
+    add_flags(parser, "tokenizer", rows)
     parser.add_argument("--workers", type=int, default=1,
                         help="accepted for Megatron-LM command lines; this tool tokenizes in one process")
     return parser
+
+
+def output_prefixes(args: argparse.Namespace) -> list[str]:
+    """Megatron-LM's names: {output_prefix}_{json_key}_{level}, one per key."""
+    return [f"{args.output_prefix}_{key}_{LEVEL}" for key in args.json_keys]
 
 
 def _validate(args: argparse.Namespace) -> None:
@@ -69,27 +77,16 @@ def _validate(args: argparse.Namespace) -> None:
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     if not os.path.isdir(out_dir):
         raise InputError(f"--output-prefix {args.output_prefix}: directory {out_dir} does not exist")
-    if args.tokenizer_type == "NullTokenizer":
-        if args.vocab_size is None:
-            raise InputError("--tokenizer-type NullTokenizer needs --vocab-size")
-        if args.vocab_size < 1:
-            raise InputError(f"--vocab-size {args.vocab_size} must be positive")
-    elif args.vocab_size is not None:
-        raise InputError(f"--vocab-size applies to NullTokenizer only, not {args.tokenizer_type}")
-    if args.tokenizer_type not in BUILT_TOKENIZERS:
-        raise InputError(f"--tokenizer-type {args.tokenizer_type} is not built yet here (built: "
-                         f"{', '.join(BUILT_TOKENIZERS)})")
-    files = {"GPT2BPETokenizer": (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file))}
-    files.update({name: (("--tokenizer-model", args.tokenizer_model),) for name in SENTENCEPIECE_TYPES})
-    for flag, path in files.get(args.tokenizer_type, ()):
-        if path is None:
-            raise InputError(f"--tokenizer-type {args.tokenizer_type} needs {flag}")
-        if not os.path.isfile(path):
-            raise InputError(f"{flag} {path}: no such file")
+    if len(set(args.json_keys)) != len(args.json_keys):
+        raise InputError(f"--json-keys {' '.join(args.json_keys)}: a key is named twice")
+    try:
+        tokenizer_args.validate(args)
+    except ArgumentError as err:
+        raise InputError(str(err)) from None
 
 
-def _documents(path: str, key: str) -> Iterator[tuple[int, str]]:
-    """Yield (line number, text) per non-blank line."""
+def _documents(path: str, keys: list[str]) -> Iterator[tuple[int, list[str]]]:
+    """Yield (line number, the text under each key) per non-blank line."""
     # Binary lines, decoded one by one, so an encoding error names its own line.
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
@@ -105,11 +102,12 @@ def _documents(path: str, key: str) -> Iterator[tuple[int, str]]:
                 raise InputError(f"{path}:{lineno}: invalid JSON ({err.msg})") from None
             if not isinstance(record, dict):
                 raise InputError(f"{path}:{lineno}: expected a JSON object")
-            if key not in record:
-                raise InputError(f"{path}:{lineno}: no key {key!r} (choose one with --json-keys)")
-            if not isinstance(record[key], str):
-                raise InputError(f"{path}:{lineno}: {key!r} is not a string")
-            yield lineno, record[key]
+            for key in keys:
+                if key not in record:
+                    raise InputError(f"{path}:{lineno}: no key {key!r} (choose one with --json-keys)")
+                if not isinstance(record[key], str):
+                    raise InputError(f"{path}:{lineno}: {key!r} is not a string")
+            yield lineno, [record[key] for key in keys]
 
 
 def _fsync(path: str) -> None:
@@ -121,46 +119,55 @@ def _fsync(path: str) -> None:
 
 
 def preprocess(args: argparse.Namespace) -> tuple[int, int, int]:
-    """Write the dataset; returns (documents written, empty documents skipped, tokens)."""
+    """Write one dataset per key; returns (documents written, empty documents skipped, tokens), all keys."""
     try:
         tokenizer = build_tokenizer(args)
     except TokenizerFileError as err:
         raise InputError(str(err)) from None
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
-    bin_path, idx_path = args.output_prefix + ".bin", args.output_prefix + ".idx"
-    tmp_bin, tmp_idx = f"{bin_path}.tmp-{os.getpid()}", f"{idx_path}.tmp-{os.getpid()}"
+    outputs = [(prefix + ".bin", prefix + ".idx") for prefix in output_prefixes(args)]
+    temporaries = [(f"{b}.tmp-{os.getpid()}", f"{i}.tmp-{os.getpid()}") for b, i in outputs]
     documents = skipped = tokens = 0
-    builder = IndexedDatasetBuilder(tmp_bin, dtype=dtype)
+    builders = []
     try:
-        for lineno, text in _documents(args.input, args.json_keys):
-            try:
-                ids = tokenizer.tokenize(text)
-            except ValueError as err:
-                raise InputError(f"{args.input}:{lineno}: {err}") from None
-            # A zero-length document adds nothing to train on and only skews document sampling.
-            if not ids:
-                skipped += 1
-                continue
-            if args.append_eod:
-                ids.append(tokenizer.eod)
-            builder.add_document(numpy.asarray(ids, dtype=dtype), [len(ids)])
-            documents += 1
-            tokens += len(ids)
-        if documents == 0:
-            raise InputError(f"{args.input}: no non-empty documents under key {args.json_keys!r}")
-        builder.finalize(tmp_idx)
-        _fsync(tmp_bin)
-        _fsync(tmp_idx)
-        # Drop the old index first: between the two renames a reader then finds no .idx
-        # rather than an old .idx describing a new .bin.
-        if os.path.exists(idx_path):
-            os.remove(idx_path)
-        os.replace(tmp_bin, bin_path)
-        os.replace(tmp_idx, idx_path)
-        _fsync(os.path.dirname(os.path.abspath(idx_path)))
+        for tmp_bin, _ in temporaries:
+            builders.append(IndexedDatasetBuilder(tmp_bin, dtype=dtype))
+        written = [0] * len(builders)
+        for lineno, texts in _documents(args.input, args.json_keys):
+            for k, text in enumerate(texts):
+                try:
+                    ids = tokenizer.tokenize(text)
+                except ValueError as err:
+                    raise InputError(f"{args.input}:{lineno}: {err}") from None
+                # A zero-length document adds nothing to train on and only skews document sampling.
+                if not ids:
+                    skipped += 1
+                    continue
+                if args.append_eod:
+                    ids.append(tokenizer.eod)
+                builders[k].add_document(numpy.asarray(ids, dtype=dtype), [len(ids)])
+                written[k] += 1
+                documents += 1
+                tokens += len(ids)
+        for key, count in zip(args.json_keys, written, strict=True):
+            if count == 0:
+                raise InputError(f"{args.input}: no non-empty documents under key {key!r}")
+        for builder, (tmp_bin, tmp_idx) in zip(builders, temporaries, strict=True):
+            builder.finalize(tmp_idx)
+            _fsync(tmp_bin)
+            _fsync(tmp_idx)
+        for (bin_path, idx_path), (tmp_bin, tmp_idx) in zip(outputs, temporaries, strict=True):
+            # Drop the old index first: between the two renames a reader then finds no .idx
+            # rather than an old .idx describing a new .bin.
+            if os.path.exists(idx_path):
+                os.remove(idx_path)
+            os.replace(tmp_bin, bin_path)
+            os.replace(tmp_idx, idx_path)
+        _fsync(os.path.dirname(os.path.abspath(args.output_prefix)))
     finally:
-        builder.data_file.close()  # finalize closes it too; this covers the error paths
-        for tmp in (tmp_bin, tmp_idx):
+        for builder in builders:
+            builder.data_file.close()  # finalize closes it too; this covers the error paths
+        for tmp in (path for pair in temporaries for path in pair):
             if os.path.exists(tmp):
                 os.remove(tmp)
     return documents, skipped, tokens
@@ -177,8 +184,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         # Not bad input but the machine (permissions, full disk): still one line, exit code 1.
         sys.stderr.write(f"{PROG}: error: {err.filename or args.output_prefix}: {err.strerror}\n")
         sys.exit(1)
-    print(f"{PROG}: {documents} documents ({skipped} empty skipped), {tokens} tokens -> "
-          f"{args.output_prefix}.bin, {args.output_prefix}.idx")
+    written = ", ".join(f"{prefix}.bin, {prefix}.idx" for prefix in output_prefixes(args))
+    print(f"{PROG}: {documents} documents ({skipped} empty skipped), {tokens} tokens -> {written}")
 
 
 if __name__ == "__main__":
