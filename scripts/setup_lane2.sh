@@ -53,7 +53,7 @@ install_lane2() {
     "${pip[@]}" torch &&
     install_nvrx &&
     "${pip[@]}" megatron-core tensorstore isal google-crc32c numpy packaging matplotlib einops \
-      pytest pytest-xdist tensorboard fusepy tokenizers sentencepiece &&
+      pytest pytest-xdist tensorboard fusepy tokenizers sentencepiece transformers tiktoken &&
     "$LANE2_VENV/bin/python" -m pip check
 }
 
