@@ -13,6 +13,7 @@ import collections
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -204,7 +205,8 @@ def test_a_missing_tokenizer_package_is_named_with_its_pip_command(gpt2_files, s
     assert f"needs the {package} package: pip install {package}" in result.stderr.splitlines()[-1]
 
 
-def preprocess(tmp_path: Path, texts: list[str], *tokenizer_flags: str) -> tuple[str, str]:
+def preprocess(tmp_path: Path, texts: list[str], *tokenizer_flags: str, env: dict[str, str] | None = None
+               ) -> tuple[str, str]:
     """Megatron-LM's tools/preprocess_data.py command line; returns the prefix and any error."""
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
@@ -212,7 +214,7 @@ def preprocess(tmp_path: Path, texts: list[str], *tokenizer_flags: str) -> tuple
         [sys.executable, "-m", "megatron_resil.tools.preprocess_data", "--input", str(corpus),
          "--output-prefix", str(tmp_path / "corpus"), "--json-keys", "text", *tokenizer_flags, "--append-eod",
          "--workers", "2"],
-        env=launch.env(), cwd=launch.REPO, capture_output=True, text=True, timeout=120)
+        env=env or launch.env(), cwd=launch.REPO, capture_output=True, text=True, timeout=120)
     # Megatron-LM's tools/preprocess_data.py names them {output_prefix}_{json_key}_{level}.
     return str(tmp_path / "corpus_text_document"), result.stdout + result.stderr if result.returncode else ""
 
@@ -405,6 +407,24 @@ def test_preprocess_data_writes_megatron_lm_names_and_the_tokenizers_ids(hf_toke
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix in (".bin", ".idx")) == [
         "corpus_text_document.bin", "corpus_text_document.idx"]
     tokenizer = _tokenizer_from(flags)
+    dataset = IndexedDataset(prefix)
+    assert [dataset[i].tolist() for i in range(len(dataset))] == [
+        tokenizer.tokenize(text) + [tokenizer.eod] for text in CORPUS]
+
+
+def test_a_hub_name_is_read_from_the_local_hugging_face_cache(hf_tokenizer_dir, tmp_path):
+    """--tokenizer-model acme/tiny-bpe, as launch scripts name hub tokenizers, is the snapshot already in the
+    cache (HF_HUB_CACHE); nothing is downloaded (and this machine could not)."""
+    repo = tmp_path / "hub" / "models--acme--tiny-bpe"
+    shutil.copytree(hf_tokenizer_dir, repo / "snapshots" / "0123abcd")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    env = {**launch.env(), "HF_HUB_CACHE": str(tmp_path / "hub")}
+    prefix, error = preprocess(tmp_path, CORPUS, "--tokenizer-type", "HuggingFaceTokenizer",
+                               "--tokenizer-model", "acme/tiny-bpe", env=env)
+    assert not error, error
+    tokenizer = _tokenizer_from(["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                                 hf_tokenizer_dir])
     dataset = IndexedDataset(prefix)
     assert [dataset[i].tolist() for i in range(len(dataset))] == [
         tokenizer.tokenize(text) + [tokenizer.eod] for text in CORPUS]
