@@ -246,7 +246,7 @@ def _refused(argv: list[str], capsys, world_size: int = 1) -> str:
     (("--use-megatron-fsdp",), "--use-megatron-fsdp"),
     (("--optimizer", "muon"), "--optimizer muon"),
     (("--experimental-attention-variant", "gated_delta_net"), "--experimental-attention-variant"),
-    (("--tokenizer-type", "TikTokenizer", "--vocab-size", "128"), "TikTokenizer is not built yet"),
+    (("--tokenizer-type", "BertWordPieceCase", "--vocab-size", "128"), "BertWordPieceCase is not built here"),
     (("--no-position-embedding",), "--no-position-embedding"),
     (("--recompute-granularity", "full", "--recompute-method", "uniform"), None),
 ])
