@@ -24,9 +24,11 @@ every flag it needed dropped; the report counts those flags and the reasons give
 from __future__ import annotations
 
 import argparse
+import base64
 import collections
 import contextlib
 import io
+import itertools
 import json
 import os
 import re
@@ -59,9 +61,9 @@ EXAMPLES = {
     "examples/mixtral/train_mixtral_8x7b_distributed.sh":
         ["{root}/ckpt", "{root}/tokenizer.model", "{root}/data/corpus_text_document"],
 }
-# Features other items of issue 24 are building: tokenizers (item 2) and sample-based training (item 3).
-# With --pending-as-built, a command line using them is judged with a stand-in (NullTokenizer, the run
-# in iterations) so the report shows what else stands in its way.
+# With --pending-as-built, a command line using a tokenizer not built here (BERT, multimodal, SFT) is judged
+# with a stand-in (NullTokenizer), and one in samples in iterations, so the report shows what else stands
+# in its way.
 TOKENIZER_FLAGS = ("--tokenizer-type", "--vocab-file", "--merge-file", "--tokenizer-model",
                    "--tiktoken-pattern",
                    "--vocab-size")
@@ -183,17 +185,48 @@ def sentencepiece_model() -> bytes:
         return Path(f"{directory}/sp.model").read_bytes()
 
 
+def tiktoken_vocab(size: int) -> bytes:
+    """Megatron's tiktoken vocabulary of `size` tokens (what start-up reads: the format and the count): the
+    256 bytes, then distinct two- and three-byte strings."""
+    longer = (bytes(t) for n in (2, 3) for t in itertools.product(range(256), repeat=n))
+    tokens = [*(bytes([b]) for b in range(256)), *itertools.islice(longer, max(0, size - 256))]
+    return json.dumps([{"rank": i, "token_bytes": base64.b64encode(t).decode(), "token_str": ""}
+                       for i, t in enumerate(tokens)]).encode()
+
+
+def huggingface_tokenizer(directory: Path) -> None:
+    """A tokenizer directory AutoTokenizer loads: a word-level vocabulary of <|endoftext|> alone."""
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        import tokenizers
+    except ImportError:
+        return
+    tokenizers.Tokenizer(tokenizers.models.WordLevel({"<|endoftext|>": 0}, unk_token="<|endoftext|>")).save(
+        str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}))
+
+
 def create_named_files(argv: list[str], root: Path) -> None:
     """The files the command line names (under the scratch root) exist: empty, except those start-up
     reads: GPT-2's vocabulary and merges (the smallest: <|endoftext|> alone, no merges) and the tokenizer
-    model."""
+    model (a SentencePiece model, a tiktoken vocabulary of the size asked for, or a Hugging Face
+    tokenizer directory)."""
     def touch(path: str, data: bytes = b"") -> None:
         if path.startswith(str(root)):
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             Path(path).write_bytes(data)
 
+    kind = _value(argv, "--tokenizer-type")
     for i, arg in enumerate(argv[:-1]):
-        if arg in FILE_FLAGS:
+        if arg == "--tokenizer-model" and kind == "HuggingFaceTokenizer":
+            if argv[i + 1].startswith(str(root)):
+                huggingface_tokenizer(Path(argv[i + 1]))
+        elif arg == "--tokenizer-model" and kind == "TikTokenizer":
+            size = int(_value(argv, "--vocab-size") or 2**17)
+            specials = int(_value(argv, "--tiktoken-num-special-tokens") or 1000)
+            touch(argv[i + 1], tiktoken_vocab(size - specials))
+        elif arg in FILE_FLAGS:
             touch(argv[i + 1], sentencepiece_model() if arg == "--tokenizer-model"
                   else GPT2_FILES.get(arg, "").encode())
         if arg == "--data-path":
