@@ -445,8 +445,8 @@ def test_preprocess_data_writes_one_dataset_per_json_key(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["hf missing directory", "hf hub name not cached", "hf not a tokenizer",
-                                  "hf file", "tiktoken missing file", "tiktoken not json",
-                                  "tiktoken vocab too small", "tiktoken special tokens"])
+                                  "hf file", "hf with gpt-2 files", "tiktoken missing file",
+                                  "tiktoken not json", "tiktoken vocab too small", "tiktoken special tokens"])
 def test_wrong_huggingface_or_tiktoken_input_stops_with_one_line(hf_tokenizer_dir, tiktoken_vocab, tmp_path,
                                                                  capsys, case):
     vocab_file, tokens = tiktoken_vocab
@@ -463,6 +463,8 @@ def test_wrong_huggingface_or_tiktoken_input_stops_with_one_line(hf_tokenizer_di
                                    f"--tokenizer-model nobody-here/no-such-tokenizer: {not_found}"),
         "hf not a tokenizer": ([*hf, str(empty)], f"--tokenizer-model {empty}: not a Hugging Face tokenizer"),
         "hf file": ([*hf, vocab_file], f"--tokenizer-model {vocab_file}: a file"),
+        "hf with gpt-2 files": ([*hf, hf_tokenizer_dir, "--vocab-file", vocab_file],
+                                "--vocab-file/--merge-file: HuggingFaceTokenizer reads the files of its"),
         "tiktoken missing file": (_tiktoken_flags(str(tmp_path / "nope.json"), tokens),
                                   f"--tokenizer-model {tmp_path / 'nope.json'}: no such file"),
         "tiktoken not json": (

@@ -87,6 +87,10 @@ def validate(args: argparse.Namespace) -> None:
                             f"only, not yet by {args.tokenizer_type}; drop it")
     if args.vocab_size is not None and args.tokenizer_type not in ("NullTokenizer", "TikTokenizer"):
         raise ArgumentError(f"--vocab-size: {args.tokenizer_type} has a fixed vocabulary; drop --vocab-size")
+    if args.tokenizer_type == "HuggingFaceTokenizer" and (args.vocab_file or args.merge_file):
+        # Megatron-LM hands them to AutoTokenizer as overrides; megatron-core 0.16 misspells the merges one.
+        raise ArgumentError("--vocab-file/--merge-file: HuggingFaceTokenizer reads the files of its "
+                            "--tokenizer-model directory here; drop them")
     model = args.tokenizer_model
     if args.tokenizer_type in (*SENTENCEPIECE_TYPES, "TikTokenizer", "HuggingFaceTokenizer") and not model:
         raise ArgumentError(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
