@@ -10,15 +10,12 @@ All expose what training and megatron-core's datasets read: `vocab_size` (unpadd
 from __future__ import annotations
 
 import argparse
-import inspect
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer as _CoreNullTokenizer
-from megatron.core.tokenizers.text.libraries.sentencepiece_tokenizer import (
-    SentencePieceTokenizer as _CoreSentencePieceTokenizer,
-)
-
+# megatron-core's tokenizer classes are imported where a tokenizer is built, not here: importing any of
+# them runs megatron.core.tokenizers.text's package, which imports transformers whenever it is installed
+# (a second or more of every rank's start-up, and its import hooks) for tokenizers most runs never build.
 from megatron_resil.tokenizer_files import (
     SENTENCEPIECE_TYPES,
     TIKTOKEN_DEFAULT_VOCAB_SIZE,
@@ -31,26 +28,22 @@ from megatron_resil.tokenizer_files import (
 
 
 class NullTokenizer:
-    """megatron-core's NullTokenizer: text is integer ids; ids 0..N-1 are data, N is EOD.
+    """Megatron-LM's NullTokenizer: text is integer ids separated by spaces; ids 0..N-1 are data, N is EOD.
 
-    `vocab_size` is N + 1, as in Megatron-LM, so `--vocab-size N` leaves room for the EOD id.
+    `vocab_size` is N + 1, as in Megatron-LM (and megatron-core 0.16's), so `--vocab-size N` leaves room for
+    the EOD id. Ours, not megatron-core's: 0.19's counts EOD inside N, and importing it costs what the note
+    above says.
     """
 
     def __init__(self, vocab_size: int) -> None:
-        if "eod_id" in inspect.signature(_CoreNullTokenizer).parameters:
-            # megatron-core 0.19 counts EOD inside vocab_size (EOD = N - 1): asked for N + 1 with EOD N, it
-            # gives 0.16's (and Megatron-LM's) vocabulary, so models, data and checkpoints match across both.
-            self._core = _CoreNullTokenizer(vocab_size + 1, eod_id=vocab_size)
-        else:
-            self._core = _CoreNullTokenizer(vocab_size)
-        self.vocab_size: int = self._core.vocab_size
-        self.eod: int = self._core.eod
+        self.vocab_size: int = vocab_size + 1
+        self.eod: int = vocab_size
         self.unique_identifiers = OrderedDict(
             [("class", type(self).__name__), ("vocab_size", self.vocab_size)])
 
     def tokenize(self, text: str) -> list[int]:
         # Megatron splits on single spaces; any whitespace accepts the same inputs and more.
-        ids = self._core.tokens_to_ids(text.split())
+        ids = [int(token) for token in text.split()]
         for token in ids:
             # Out-of-range ids would only surface later as an embedding index error mid-training.
             if not 0 <= token < self.vocab_size:
@@ -58,7 +51,7 @@ class NullTokenizer:
         return ids
 
     def detokenize(self, ids: Iterable[int]) -> str:
-        return self._core.ids_to_text([int(i) for i in ids])
+        return " ".join(str(int(i)) for i in ids)
 
 
 class ByteTokenizer:
@@ -85,6 +78,9 @@ class SentencePieceTokenizer:
 
     def __init__(self, model_file: str) -> None:
         check_sentencepiece_model(model_file)  # a missing package or a wrong file: one line
+        from megatron.core.tokenizers.text.libraries.sentencepiece_tokenizer import (
+            SentencePieceTokenizer as _CoreSentencePieceTokenizer,
+        )
         self._core = _CoreSentencePieceTokenizer(model_file)
         self.vocab_size: int = self._core.vocab_size
         self.eod: int = self._core.eod

@@ -524,3 +524,23 @@ def test_a_tiny_gpt_trains_on_data_the_tokenizer_wrote(hf_tokenizer_dir, tiktoke
     assert sorted(losses) == [1, 2, 3]
     # Near-zero initial logits make the first loss ln(outputs): 300 or 326 tokens, padded to 384.
     assert abs(float(losses[1][0]) - numpy.log(384)) < 0.1, losses
+
+
+def test_building_the_null_tokenizer_and_every_module_of_ours_imports_neither_transformers_nor_tiktoken():
+    """Both are installed here (HuggingFaceTokenizer, TikTokenizer); any megatron-core tokenizer module runs
+    megatron.core.tokenizers.text's package, which imports transformers (a second or more per rank, and
+    its import hooks). A run that builds neither tokenizer must not pay for them."""
+    code = """
+import importlib, pkgutil, sys
+import megatron_resil
+from megatron_resil.tokenizer import NullTokenizer
+tok = NullTokenizer(128)
+assert tok.tokenize("1 2 127") == [1, 2, 127] and tok.eod == 128 and tok.vocab_size == 129
+for module in pkgutil.walk_packages(megatron_resil.__path__, "megatron_resil."):
+    importlib.import_module(module.name)
+print("imported:", sorted(m for m in ("transformers", "tiktoken") if m in sys.modules))
+"""
+    result = subprocess.run([sys.executable, "-c", code], env=launch.env(), cwd=launch.REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "imported: []" in result.stdout, result.stdout
