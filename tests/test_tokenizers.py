@@ -59,6 +59,11 @@ def sentencepiece_model(tmp_path_factory) -> str:
     return str(directory / "tokenizer.model")
 
 
+# Tests that run pretrain.py or preprocess_data as processes (a second of imports or more each): slow, so
+# they run once in CI, in the first lane; the tokenizers themselves are tested in-process on both lanes.
+_in_subprocesses = pytest.mark.slow
+
+
 def _openai_gpt2_encode(text: str, vocab_file: str, merge_file: str) -> list[int]:
     """GPT-2's original encoder (OpenAI's encoder.py), for ASCII text: its \\p{L} and \\p{N} are the ASCII
     letters and digits there."""
@@ -159,6 +164,7 @@ def test_pretrain_takes_sentencepiece_types_with_tokenizer_model(sentencepiece_m
 
 @pytest.mark.parametrize("case", ["no merges", "vocab without EOD", "merges of another vocab",
                                   "no tokenizer model", "not a sentencepiece model", "unbuilt type"])
+@_in_subprocesses
 def test_wrong_tokenizer_input_stops_with_one_line(gpt2_files, tmp_path, case):
     vocab_file, merge_file, _ = gpt2_files
     flags = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab_file, "--merge-file", merge_file]
@@ -187,6 +193,7 @@ def test_wrong_tokenizer_input_stops_with_one_line(gpt2_files, tmp_path, case):
     assert "Traceback" not in result.stderr
 
 
+@_in_subprocesses
 @pytest.mark.parametrize("package", ["tokenizers", "sentencepiece"])
 def test_a_missing_tokenizer_package_is_named_with_its_pip_command(gpt2_files, sentencepiece_model, tmp_path,
                                                                    package):
@@ -224,6 +231,7 @@ def preprocess_gpt2(tmp_path: Path, vocab_file: str, merge_file: str, texts: lis
                       "--merge-file", merge_file)
 
 
+@_in_subprocesses
 def test_preprocess_data_writes_gpt2_ids_with_eod(gpt2_files, tmp_path):
     vocab_file, merge_file, _ = gpt2_files
     prefix, error = preprocess_gpt2(tmp_path, vocab_file, merge_file, CORPUS)
@@ -236,6 +244,7 @@ def test_preprocess_data_writes_gpt2_ids_with_eod(gpt2_files, tmp_path):
     assert dataset[0].dtype == numpy.uint16  # Megatron-LM's DType.optimal_dtype for a vocabulary < 65500
 
 
+@_in_subprocesses
 def test_preprocess_data_writes_sentencepiece_ids_with_eod(sentencepiece_model, tmp_path):
     prefix, error = preprocess(tmp_path, CORPUS, "--tokenizer-type", "GPTSentencePieceTokenizer",
                                "--tokenizer-model", sentencepiece_model)
@@ -398,6 +407,7 @@ def test_tiktoken_pattern_decides_where_tokens_may_not_span(tiktoken_vocab):
     assert not any(b"oW" in piece for piece in pieces("v2"))
 
 
+@_in_subprocesses
 @pytest.mark.parametrize("kind", ["HuggingFaceTokenizer", "TikTokenizer"])
 def test_preprocess_data_writes_megatron_lm_names_and_the_tokenizers_ids(hf_tokenizer_dir, tiktoken_vocab,
                                                                           tmp_path, kind):
@@ -412,6 +422,7 @@ def test_preprocess_data_writes_megatron_lm_names_and_the_tokenizers_ids(hf_toke
         tokenizer.tokenize(text) + [tokenizer.eod] for text in CORPUS]
 
 
+@_in_subprocesses
 def test_a_hub_name_is_read_from_the_local_hugging_face_cache(hf_tokenizer_dir, tmp_path):
     """--tokenizer-model acme/tiny-bpe, as launch scripts name hub tokenizers, is the snapshot already in the
     cache (HF_HUB_CACHE); nothing is downloaded (and this machine could not)."""
@@ -430,6 +441,7 @@ def test_a_hub_name_is_read_from_the_local_hugging_face_cache(hf_tokenizer_dir, 
         tokenizer.tokenize(text) + [tokenizer.eod] for text in CORPUS]
 
 
+@_in_subprocesses
 def test_preprocess_data_writes_one_dataset_per_json_key(tmp_path):
     corpus = tmp_path / "in.jsonl"
     corpus.write_text(json.dumps({"text": "body", "title": "head"}) + "\n")
@@ -491,6 +503,7 @@ def test_wrong_huggingface_or_tiktoken_input_stops_with_one_line(hf_tokenizer_di
     assert capsys.readouterr().err == line.replace("pretrain.py: error:", "preprocess_data: error:")
 
 
+@_in_subprocesses
 @pytest.mark.parametrize("package", ["transformers", "tiktoken"])
 def test_a_missing_hf_or_tiktoken_package_is_named_with_its_pip_command(hf_tokenizer_dir, tiktoken_vocab,
                                                                         tmp_path, package):
