@@ -2,13 +2,10 @@
 # Run the test suite (creates .venv on first use). Extra arguments go to pytest: options, or test paths
 # instead of the whole of tests/ (pyproject.toml's testpaths). Three test files at a time by default
 # (scripts/run_pytest.sh). The chaos run (tests/test_chaos.py, several minutes) runs only when asked
-# for: `-m chaos`. The slow tests marked `compat` (exact resume on each layout, the tiers' fallback, crash
-# consistency: the second lane's tier, scripts/test_lane2.sh) run there, on the stack users run, and not
-# here as well: CI runs each slow test once (its budget is 20 minutes on 2 cores); every fast test runs in
-# both. `-m "not chaos"` runs them here too.
+# for: `-m chaos`.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup_env.sh"
 source "$ROOT/scripts/run_pytest.sh"
 cd "$ROOT"
-run_pytest "not chaos and not (slow and compat)" "$@"
+run_pytest "not chaos" "$@"
