@@ -297,6 +297,12 @@ def install(args: argparse.Namespace | None = None, *, only: tuple[str, ...] | N
                 _say(decision.line)
 
 
+def install_import_speedups() -> None:
+    """For a tool that imports megatron-core but trains nothing (preprocess_data): only the records that
+    keep importing it fast, quietly. Each stands down where it does not fit, so none can stop the tool."""
+    install(only=tuple(p.name for p in registry() if p.first and p.on_mismatch == STAND_DOWN), quiet=True)
+
+
 def _apply(decision: Decision) -> None:
     patch = decision.patch
     try:

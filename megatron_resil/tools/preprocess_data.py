@@ -16,17 +16,12 @@ from typing import NoReturn
 
 import numpy
 
-with warnings.catch_warnings():
-    # megatron-core warns on import about Apex, Transformer Engine and pynvml, none of which
-    # preprocessing uses; stderr stays free for the one line that names bad input.
-    warnings.simplefilter("ignore")
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
-
-    from megatron_resil.arguments import tokenizer as tokenizer_args
-    from megatron_resil.arguments.errors import ArgumentError
-    from megatron_resil.arguments.flag_table import add_flags
-    from megatron_resil.tokenizer import build_tokenizer
-    from megatron_resil.tokenizer_files import TokenizerFileError
+from megatron_resil import patches
+from megatron_resil.arguments import tokenizer as tokenizer_args
+from megatron_resil.arguments.errors import ArgumentError
+from megatron_resil.arguments.flag_table import add_flags
+from megatron_resil.tokenizer import build_tokenizer
+from megatron_resil.tokenizer_files import TokenizerFileError
 
 PROG = "preprocess_data"
 # Megatron-LM's level without --split-sentences (which is not built here): one document per JSON line.
@@ -118,8 +113,22 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
+def _indexed_dataset():
+    """megatron-core's dataset writer, imported once the arguments are good and with the start-up patches
+    in place: megatron-core decorates functions with torch.compile as it is imported, which without them
+    imports TorchInductor (seconds of a tool that tokenizes a few lines)."""
+    patches.install_import_speedups()
+    with warnings.catch_warnings():
+        # megatron-core warns on import about Apex, Transformer Engine and pynvml, none of which
+        # preprocessing uses; stderr stays free for the one line that names bad input.
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+    return DType, IndexedDatasetBuilder
+
+
 def preprocess(args: argparse.Namespace) -> tuple[int, int, int]:
     """Write one dataset per key; returns (documents written, empty documents skipped, tokens), all keys."""
+    DType, IndexedDatasetBuilder = _indexed_dataset()  # noqa: N806 - megatron-core's class names
     try:
         tokenizer = build_tokenizer(args)
     except TokenizerFileError as err:

@@ -1,0 +1,153 @@
+"""The commands of `python -m megatron_resil.tools.ckpt` (megatron_resil/tools/ckpt.py says what each does).
+Importing this module imports megatron-core: the entry point installs the start-up patches first."""
+
+from __future__ import annotations
+
+import os
+
+from megatron_resil.checkpointing import layout, untrusted
+from megatron_resil.checkpointing.global_tier import GlobalTier
+from megatron_resil.checkpointing.loader import newest_first
+from megatron_resil.checkpointing.local_tier import QUARANTINE_DIR, describe, inspect_copies
+from megatron_resil.checkpointing.manifest import has_manifest, read_manifest
+from megatron_resil.checkpointing.megatron_integrity import has_integrity_manifest
+from megatron_resil.checkpointing.tier import TierCandidate
+from megatron_resil.checkpointing.tracker import read_tracker
+
+
+class OfflineLocalTier:
+    """The local tier as this machine sees it, without a running job: a candidate iteration is
+    loadable if every rank's shard has at least one verified copy in some rank directory."""
+
+    name = "local"
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.copies = inspect_copies(root)
+        rank_dirs = [p for p in os.listdir(root) if p.isdigit()] if os.path.isdir(root) else []
+        owners = [o for by_owner in self.copies.values() for o in by_owner]
+        self.world = max([len(rank_dirs), *(o + 1 for o in owners)], default=0)
+
+    def candidates(self) -> list[TierCandidate]:
+        return [TierCandidate("local", it, describe(self.root, it), "node-local shards")
+                for it in sorted(self.copies, reverse=True)]
+
+    def verify(self, candidate: TierCandidate) -> str | None:
+        by_owner = self.copies[candidate.iteration]
+        for owner in range(self.world):
+            copies = by_owner.get(owner, {})
+            if not any(why is None for why in copies.values()):
+                seen = "; ".join(f"copy on rank {h}: {why}" for h, why in sorted(copies.items()))
+                return f"rank {owner}'s shard has no verified copy ({seen or 'no copy found'})"
+        return None
+
+    def describe(self, iteration: int) -> list[str]:
+        lines = []
+        for owner, copies in sorted(self.copies[iteration].items()):
+            held = ", ".join(f"rank {h}: {'ok' if why is None else why}" for h, why in sorted(copies.items()))
+            lines.append(f"    rank {owner}'s shard: {held}")
+        return lines
+
+
+def _size(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def cmd_list(root: str, local: str | None, non_persistent: str | None) -> int:
+    print(f"persistent tier {root}")
+    _list_global(root)
+    if non_persistent:
+        print(f"non-persistent global tier {non_persistent}")
+        _list_global(non_persistent)
+    if local:
+        print(f"local tier {local}")
+        tier = OfflineLocalTier(local)
+        for iteration in sorted(tier.copies, reverse=True):
+            print(f"  iteration {iteration}")
+            print("\n".join(tier.describe(iteration)))
+        for reason in sorted(_glob_reasons(local)):
+            print(f"  quarantined {reason}")
+    return 0
+
+
+def _reason(path: str) -> str:
+    """A quarantine note; whatever stands under its name (a FIFO, a link) is named, never opened."""
+    try:
+        return untrusted.read_text(path, 64 << 10, "quarantine note").strip()
+    except (OSError, UnicodeDecodeError, untrusted.CheckpointDataError) as err:
+        return f"? ({err})"
+
+
+def _glob_reasons(root: str) -> list[str]:
+    found = []
+    for rank in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        qdir = os.path.join(root, rank, QUARANTINE_DIR)
+        for name in sorted(os.listdir(qdir)) if os.path.isdir(qdir) else []:
+            if name.endswith(".REASON.txt"):
+                reason = _reason(os.path.join(qdir, name))
+                found.append(f"{rank}/{QUARANTINE_DIR}/{name[:-len('.REASON.txt')]}: {reason}")
+    return found
+
+
+def _list_global(root: str) -> None:
+    reading = read_tracker(root)
+    tracker = "release" if reading.iteration == -1 else reading.iteration
+    print(f"tracker: {tracker if reading.problem is None else reading.problem}")
+    for iteration in layout.published_iterations(root):
+        path = layout.iteration_dir(root, iteration)
+        manifest, _ = read_manifest(path)
+        kind = f"manifest v{manifest['version']}" if manifest else "no manifest"
+        print(f"  iter_{iteration:07d}  {_size(path) / 2**20:10.1f} MiB  {kind}")
+    for path in layout.quarantined(root):
+        reason_file = os.path.join(path, "QUARANTINE_REASON.txt")
+        reason = _reason(reason_file) if os.path.lexists(reason_file) else "?"
+        print(f"  quarantined {os.path.basename(path)}: {reason}")
+    for kind, paths in layout.leftovers(root).items():
+        for path in paths:
+            print(f"  leftover ({kind}) {os.path.basename(path)}: removed at the next start of a run "
+                  "that saves here")
+    return 0
+
+
+def tiers(root: str, local: str | None, non_persistent: str | None) -> list:
+    """In pretrain.py's order of trust at equal iterations."""
+    tiers: list = [GlobalTier(root)]
+    if local:
+        tiers.insert(0, OfflineLocalTier(local))
+    if non_persistent:
+        tiers.append(GlobalTier(non_persistent, name="non-persistent"))
+    return tiers
+
+
+def cmd_verify(tiers: list, iteration: int | None) -> int:
+    failed = 0
+    for tier, candidate in newest_first(tiers):
+        if iteration is not None and candidate.iteration != iteration:
+            continue
+        reason = tier.verify(candidate)
+        if reason is not None:
+            verdict = f"FAILED: {reason}"
+        elif candidate.tier == "local":
+            verdict = "ok (every rank's shard has a copy matching its owner's checksum)"
+        elif has_manifest(candidate.path):
+            also = ", SHA-256s Megatron-LM's integrity.json" if has_integrity_manifest(candidate.path) else ""
+            verdict = f"ok (sizes and checksums match the manifest{also})"
+        elif has_integrity_manifest(candidate.path):
+            verdict = "ok (no manifest; SHA-256s match Megatron-LM's integrity.json)"
+        else:
+            verdict = "ok (no manifest: presence of .metadata only)"
+        failed += reason is not None
+        print(f"{candidate.tier} iteration {candidate.iteration}: {verdict}")
+    return 1 if failed else 0
+
+
+def cmd_which(tiers: list) -> int:
+    for tier, candidate in newest_first(tiers):
+        reason = tier.verify(candidate)
+        where = f"{candidate.tier} iteration {candidate.iteration} ({candidate.path})"
+        if reason is None:
+            print(f"would load {where}: verified, {candidate.note}")
+            return 0
+        print(f"would reject {where}: {reason}")
+    print("nothing loadable in " + ", ".join(tier.root for tier in tiers))
+    return 1
