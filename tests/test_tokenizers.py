@@ -164,8 +164,7 @@ def test_pretrain_takes_sentencepiece_types_with_tokenizer_model(sentencepiece_m
 
 @pytest.mark.parametrize("case", ["no merges", "vocab without EOD", "merges of another vocab",
                                   "no tokenizer model", "not a sentencepiece model", "unbuilt type"])
-@_in_subprocesses
-def test_wrong_tokenizer_input_stops_with_one_line(gpt2_files, tmp_path, case):
+def test_wrong_tokenizer_input_stops_with_one_line(gpt2_files, tmp_path, capsys, case):
     vocab_file, merge_file, _ = gpt2_files
     flags = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab_file, "--merge-file", merge_file]
     expected = ""
@@ -186,11 +185,11 @@ def test_wrong_tokenizer_input_stops_with_one_line(gpt2_files, tmp_path, case):
         expected = f"--tokenizer-model {vocab_file}: not a SentencePiece model"
     else:
         flags, expected = ["--tokenizer-type", "BertWordPieceCase"], "BertWordPieceCase is not built here"
-    result = launch.run_single([*_pretrain_args(*flags), "--check-args-only"])
-    assert result.returncode == 2, result.stderr
-    assert expected in result.stderr
-    assert len(result.stderr.strip().splitlines()) <= 2, result.stderr  # argparse's usage line and ours
-    assert "Traceback" not in result.stderr
+    with pytest.raises(SystemExit) as stop:  # pretrain.py's own parse_args (the CLI: the tests below)
+        parse_args(_pretrain_args(*flags), world_size=1)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and expected in err, err
+    assert len(err.strip().splitlines()) <= 2, err  # argparse's usage line and ours
 
 
 @_in_subprocesses
@@ -214,16 +213,23 @@ def test_a_missing_tokenizer_package_is_named_with_its_pip_command(gpt2_files, s
 
 def preprocess(tmp_path: Path, texts: list[str], *tokenizer_flags: str, env: dict[str, str] | None = None
                ) -> tuple[str, str]:
-    """Megatron-LM's tools/preprocess_data.py command line; returns the prefix and any error."""
+    """Megatron-LM's tools/preprocess_data.py command line, run by preprocess_data's main() in this process
+    (a process of its own with `env`: the tool as users start it); returns the prefix and any error."""
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
-    result = subprocess.run(
-        [sys.executable, "-m", "megatron_resil.tools.preprocess_data", "--input", str(corpus),
-         "--output-prefix", str(tmp_path / "corpus"), "--json-keys", "text", *tokenizer_flags, "--append-eod",
-         "--workers", "2"],
-        env=env or launch.env(), cwd=launch.REPO, capture_output=True, text=True, timeout=120)
+    argv = ["--input", str(corpus), "--output-prefix", str(tmp_path / "corpus"), "--json-keys", "text",
+            *tokenizer_flags, "--append-eod", "--workers", "2"]
     # Megatron-LM's tools/preprocess_data.py names them {output_prefix}_{json_key}_{level}.
-    return str(tmp_path / "corpus_text_document"), result.stdout + result.stderr if result.returncode else ""
+    prefix = str(tmp_path / "corpus_text_document")
+    if env is not None:
+        result = subprocess.run([sys.executable, "-m", "megatron_resil.tools.preprocess_data", *argv],
+                                env=env, cwd=launch.REPO, capture_output=True, text=True, timeout=120)
+        return prefix, result.stdout + result.stderr if result.returncode else ""
+    try:
+        preprocess_data.main(argv)
+    except SystemExit as stop:
+        return prefix, f"preprocess_data exited with code {stop.code} (its line is in the captured stderr)"
+    return prefix, ""
 
 
 def preprocess_gpt2(tmp_path: Path, vocab_file: str, merge_file: str, texts: list[str]) -> tuple[str, str]:
@@ -231,7 +237,6 @@ def preprocess_gpt2(tmp_path: Path, vocab_file: str, merge_file: str, texts: lis
                       "--merge-file", merge_file)
 
 
-@_in_subprocesses
 def test_preprocess_data_writes_gpt2_ids_with_eod(gpt2_files, tmp_path):
     vocab_file, merge_file, _ = gpt2_files
     prefix, error = preprocess_gpt2(tmp_path, vocab_file, merge_file, CORPUS)
@@ -244,7 +249,6 @@ def test_preprocess_data_writes_gpt2_ids_with_eod(gpt2_files, tmp_path):
     assert dataset[0].dtype == numpy.uint16  # Megatron-LM's DType.optimal_dtype for a vocabulary < 65500
 
 
-@_in_subprocesses
 def test_preprocess_data_writes_sentencepiece_ids_with_eod(sentencepiece_model, tmp_path):
     prefix, error = preprocess(tmp_path, CORPUS, "--tokenizer-type", "GPTSentencePieceTokenizer",
                                "--tokenizer-model", sentencepiece_model)
@@ -407,7 +411,6 @@ def test_tiktoken_pattern_decides_where_tokens_may_not_span(tiktoken_vocab):
     assert not any(b"oW" in piece for piece in pieces("v2"))
 
 
-@_in_subprocesses
 @pytest.mark.parametrize("kind", ["HuggingFaceTokenizer", "TikTokenizer"])
 def test_preprocess_data_writes_megatron_lm_names_and_the_tokenizers_ids(hf_tokenizer_dir, tiktoken_vocab,
                                                                           tmp_path, kind):
@@ -546,6 +549,8 @@ def test_building_the_null_tokenizer_and_every_module_of_ours_imports_neither_tr
     code = """
 import importlib, pkgutil, sys
 import megatron_resil
+from megatron_resil import patches
+patches.install_import_speedups()  # as pretrain.py and preprocess_data do, or TorchInductor is imported
 from megatron_resil.tokenizer import NullTokenizer
 tok = NullTokenizer(128)
 assert tok.tokenize("1 2 127") == [1, 2, 127] and tok.eod == 128 and tok.vocab_size == 129
