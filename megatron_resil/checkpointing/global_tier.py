@@ -221,8 +221,8 @@ class GlobalTier(CheckpointTier):
         kwargs = {"common_strategy": safe_load.CommonLoadWeightsOnly()} if _LOAD_TAKES_COMMON_STRATEGY else {}
         loaded = dist_checkpointing.load(sharded_template, candidate.path, strict=self.strictness, **kwargs)
         if isinstance(loaded, tuple):  # return_unexpected, return_all: Megatron-LM would choke on these
-            loaded, missing, unexpected = loaded
-            _say_mismatch(self.strictness, candidate.path, missing, unexpected)
+            loaded, missing, _unexpected = loaded  # the model keys it lacks: said by state.restore
+            _say_mismatch(self.strictness, candidate.path, missing)
         return loaded
 
     # ---- save side -------------------------------------------------------------------------
@@ -445,20 +445,16 @@ def write_own_shards(rank: int, staging: str, write_fn, preload_fn, write_args, 
 PARTIAL_LOADS = frozenset({"log_unexpected", "log_all", "return_unexpected", "return_all", "ignore_all"})
 
 
-def _say_mismatch(strictness: str, path: str, missing, unexpected) -> None:
-    """The keys a return_* load reports, in one line (megatron-core's names: `unexpected`, asked for by the
-    model but not in the checkpoint; `missing`, in the checkpoint but not asked for)."""
-    def some(keys) -> str:
-        names = sorted({str(getattr(k, "key", k)) for k in keys})
+def _say_mismatch(strictness: str, path: str, missing) -> None:
+    """The checkpoint keys a return_* load reports this model does not ask for, in one line (megatron-core
+    calls them `missing`). The model keys it lacks (`unexpected`) are said once, by state.restore, for
+    every mode that loads around them."""
+    names = sorted({str(getattr(k, "key", k)) for k in missing})
+    if names:
         more = f" and {len(names) - 4} more" if len(names) > 4 else ""
-        return f"{len(names)}: " + ", ".join(names[:4]) + more
-    parts = []
-    if unexpected:
-        parts.append(f"model keys not in the checkpoint, left as initialised ({some(unexpected)})")
-    if missing:
-        parts.append(f"checkpoint keys this model does not ask for, not read ({some(missing)})")
-    if parts:
-        events.print_rank_0(f"[resil] load: --dist-ckpt-strictness {strictness}: {path}: " + "; ".join(parts))
+        events.print_rank_0(f"[resil] load: --dist-ckpt-strictness {strictness}: {path}: {len(names)} "
+                            f"checkpoint key(s) this model does not ask for, not read: "
+                            + ", ".join(names[:4]) + more)
 
 
 _FULL_BELOW_BYTES = 1 << 20

@@ -235,10 +235,10 @@ def restore(loaded: dict, model: list, optimizer, scheduler, *, load_optimizer: 
     for key, chunk in zip(_model_keys(model), unwrap_model(model), strict=True):
         kept = chunk.load_state_dict(loaded[key], strict=not partial_model).missing_keys
         kept = [name for name in kept if not name.endswith("._extra_state")]  # TE's, rebuilt as it runs
-        if kept:
-            events.print_rank_0(f"[resil] load: {len(kept)} model weight(s) not in the checkpoint keep their "
-                                f"initial values (--dist-ckpt-strictness): {', '.join(kept[:4])}"
-                                + (f" and {len(kept) - 4} more" if len(kept) > 4 else ""))
+        if kept:  # the one line for every strictness mode that loads around them (log_*, return_*, ignore_all)
+            events.decision("load", f"{len(kept)} model weight(s) not in the checkpoint keep their initial "
+                            f"values (--dist-ckpt-strictness): {', '.join(kept[:4])}"
+                            + (f" and {len(kept) - 4} more" if len(kept) > 4 else ""), kept=kept)
     flops = float(loaded.get("num_floating_point_operations_so_far") or 0)  # kept even by --finetune
     if weights_only:
         if half_precision:
