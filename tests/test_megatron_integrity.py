@@ -314,3 +314,14 @@ def test_our_checkpoints_saved_with_verify_integrity_carry_megatron_lms_manifest
         assert INTEGRITY in ours and not any("sha256" in entry for entry in ours.values())
     out = _run_ok([*job, "--train-iters", "3", "--load", str(root)], nproc=2)
     assert f"successfully loaded checkpoint from {root} [ t 1/1, p 1/1 ] at iteration 2 " in out
+
+
+def test_a_checkpoint_without_our_manifest_is_warned_about_once_however_often_it_is_verified(tmp_path, capsys):
+    """--use-checkpoint-args verifies the candidate to read its arguments, then the loader verifies it."""
+    root = _copy(tmp_path)
+    iteration = int((root / "latest_checkpointed_iteration.txt").read_text())
+    for _ in range(2):
+        assert _verify(root, iteration) is None
+    warned = [line for line in capsys.readouterr().err.splitlines() if "has no manifest" in line]
+    assert len(warned) == 1 and str(_iter_dir(root, iteration)) in warned[0], warned
+

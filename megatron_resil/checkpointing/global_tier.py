@@ -71,6 +71,10 @@ def _make_staging(root: str, iteration: int) -> str:
     return staging
 
 
+# The checkpoints this process has warned about lacking a manifest: once each.
+_SAID_NO_MANIFEST: set[str] = set()
+
+
 class GlobalTier(CheckpointTier):
     def __init__(self, root: str, name: str = "persistent", write_tracker: bool = True,
                  verify_checksums: bool = True, ckpt_format: str = "torch_dist",
@@ -159,7 +163,10 @@ class GlobalTier(CheckpointTier):
         if manifest is None:
             checked = f"only the presence of {marker} was checked" if integrity is None else \
                 f"its files are checked against {megatron_integrity.WHAT} instead"
-            events.warn(f"{path} has no manifest: saved by Megatron-LM or an older megatron-resil; {checked}")
+            if path not in _SAID_NO_MANIFEST:  # --use-checkpoint-args verifies before the loader does
+                _SAID_NO_MANIFEST.add(path)
+                events.warn(f"{path} has no manifest: saved by Megatron-LM or an older megatron-resil; "
+                            f"{checked}")
         else:
             is_release = os.path.basename(path) == layout.RELEASE_DIR
             # Every rank checks all sizes and the checksums of its share of the files.
