@@ -52,6 +52,26 @@ def start(args: list[str], nproc: int = 2, log_path: Path | None = None) -> subp
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def ckpt_tool(*args) -> subprocess.CompletedProcess:
+    """`python -m megatron_resil.tools.ckpt ARGS`, its main() run in this process (a process of its own
+    costs seconds of imports; tests/test_install.py and tests/test_untrusted_checkpoint.py start the
+    tool as users do). Returns its exit code and what it printed, as subprocess.run would."""
+    import contextlib
+    import io
+
+    from megatron_resil.tools import ckpt
+
+    argv = [str(a) for a in args]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = ckpt.main(argv)
+        except SystemExit as stop:  # argparse's exit 2 for bad arguments
+            code = stop.code if isinstance(stop.code, int) else 1
+    return subprocess.CompletedProcess(["megatron_resil.tools.ckpt", *argv], code, out.getvalue(),
+                                       err.getvalue())
+
+
 def run_single(args: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
     """pretrain.py as a plain process (argument errors are caught before torch.distributed starts)."""
     return subprocess.run([sys.executable, PRETRAIN, *args], env=env(), cwd=REPO, timeout=timeout,

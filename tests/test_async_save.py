@@ -10,7 +10,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -34,8 +33,7 @@ def _args(root: Path, iters: int, extra=()) -> list[str]:
 
 
 def _verify(root: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megatron_resil.tools.ckpt", "verify", str(root)],
-                          env=launch.env(), capture_output=True, text=True, timeout=120)
+    return launch.ckpt_tool("verify", root)
 
 
 def test_async_checkpoints_are_published_atomically_and_resume_exactly(tmp_path):
@@ -192,9 +190,7 @@ def test_async_non_persistent_saves_resume_exactly(tmp_path, kind):
     assert f"successfully saved {kind if kind == 'local' else 'non-persistent'} checkpoint from " \
            "iteration       5" in full.stdout, full.stdout[-3000:]
     assert "[resil] save: async" not in full.stdout  # no failure reported
-    check = subprocess.run([sys.executable, "-m", "megatron_resil.tools.ckpt", "which", str(root),
-                            f"--non-persistent-{kind}-ckpt-dir", str(np_dir)],
-                           env=launch.env(), capture_output=True, text=True, timeout=120)
+    check = launch.ckpt_tool("which", root, f"--non-persistent-{kind}-ckpt-dir", np_dir)
     assert check.returncode == 0, check.stdout + check.stderr
     shutil.rmtree(root)  # only the non-persistent tier is left to resume from
     if kind == "local":

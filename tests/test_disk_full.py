@@ -10,7 +10,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 
 import pytest
 
@@ -83,8 +82,7 @@ def test_a_full_disk_during_a_save_exits_4_everywhere_and_keeps_the_previous_che
     assert records[-1]["event"] == "exit" and records[-1]["exit_code"] == 4, records[-1]
 
     os.remove(small_disk / "filler") if (small_disk / "filler").exists() else None
-    verify = subprocess.run([sys.executable, "-m", "megatron_resil.tools.ckpt", "verify", str(save)],
-                            env=launch.env(), cwd=launch.REPO, capture_output=True, text=True, timeout=120)
+    verify = launch.ckpt_tool("verify", save)
     assert verify.returncode == 0, verify.stdout + verify.stderr
 
 

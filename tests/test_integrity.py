@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 
 import pytest
 
@@ -39,8 +38,7 @@ def _flip_byte(path, offset: int = 1000) -> None:
 
 
 def _tool(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megatron_resil.tools.ckpt", *map(str, args)],
-                          env=launch.env(), cwd=launch.REPO, capture_output=True, text=True, timeout=120)
+    return launch.ckpt_tool(*args)
 
 
 @pytest.mark.compat

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -92,6 +90,5 @@ def test_ranks_stop_within_seconds_of_their_launcher_dying_and_leave_no_orphan(t
     assert records[-1]["event"] == "exit" and records[-1]["exit_code"] == 9, records[-3:]
     assert "the launcher (pid" in records[-1]["message"]
     # Whatever was published verifies; the tool names no leftover it could not explain.
-    verify = subprocess.run([sys.executable, "-m", "megatron_resil.tools.ckpt", "verify", str(save)],
-                            env=launch.env(), cwd=launch.REPO, capture_output=True, text=True, timeout=120)
+    verify = launch.ckpt_tool("verify", save)
     assert verify.returncode == 0, verify.stdout + verify.stderr

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -101,9 +99,7 @@ def test_no_verified_copy_anywhere_moves_every_rank_to_the_persistent_checkpoint
     Path(str(_shard(root, holder=0, owner=0)) + ".manifest.json").write_text("{not json")
     wrong = Path(str(_shard(root, holder=1, owner=0)) + ".manifest.json")
     wrong.write_text(json.dumps({**json.loads(wrong.read_text()), "iteration": 3}))
-    which = subprocess.run([sys.executable, "-m", "megatron_resil.tools.ckpt", "which", str(root / "save"),
-                            "--non-persistent-local-ckpt-dir", str(root / "local")],
-                           env=launch.env(), capture_output=True, text=True, timeout=120)
+    which = launch.ckpt_tool("which", root / "save", "--non-persistent-local-ckpt-dir", root / "local")
     assert "would reject local iteration 6" in which.stdout, which.stdout + which.stderr
     assert "rank 0's shard has no verified copy" in which.stdout
     assert "would load persistent iteration 5" in which.stdout and which.returncode == 0

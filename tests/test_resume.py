@@ -263,8 +263,7 @@ def test_constant_structure_checkpoints_equal_those_planned_at_every_save(dp2_jo
                                       frozenset({"ckpt_assume_constant_structure", "async_save"}))
     # The cached plan megatron-core records in `.metadata` passes the loader's allow-list (it once did
     # not: Megatron-LM's checkpoints saved with this flag were refused), and every checkpoint verifies.
-    verify = subprocess.run([sys.executable, "-m", "megatron_resil.tools.ckpt", "verify", str(root)],
-                            env=launch.env(), cwd=launch.REPO, capture_output=True, text=True, timeout=120)
+    verify = launch.ckpt_tool("verify", root)
     assert verify.returncode == 0, verify.stdout + verify.stderr
 
 

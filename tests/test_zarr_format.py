@@ -9,7 +9,6 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,8 +31,7 @@ def _args(root: Path | str, iters: int, extra=()) -> list[str]:
 
 
 def _tool(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megatron_resil.tools.ckpt", *args], env=launch.env(),
-                          capture_output=True, text=True, timeout=120)
+    return launch.ckpt_tool(*args)
 
 
 def test_zarr_checkpoints_round_trip_are_readable_and_reject_corruption(tmp_path):
