@@ -22,6 +22,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_resil import patches  # noqa: E402
+
+# As pretrain.py does before megatron-core is imported (patches.install below decides the rest): its
+# torch.compile decorators would import TorchInductor, seconds of CPU per rank.
+patches.install_import_speedups()
+
 from megatron.core import dist_checkpointing, tensor_parallel  # noqa: E402
 from megatron.core import parallel_state as mpu  # noqa: E402
 from megatron.core.dist_checkpointing.mapping import ShardedObject  # noqa: E402
@@ -32,7 +38,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (  # noqa
 from megatron.core.rerun_state_machine import get_rerun_state_machine  # noqa: E402
 from megatron.core.utils import unwrap_model  # noqa: E402
 
-from megatron_resil import parallel, patches, rerun  # noqa: E402
+from megatron_resil import parallel, rerun  # noqa: E402
 from megatron_resil.arguments import parse_args  # noqa: E402
 from megatron_resil.tokenizer import build_tokenizer  # noqa: E402
 from megatron_resil.training import build_engine  # noqa: E402
