@@ -298,8 +298,9 @@ def install(args: argparse.Namespace | None = None, *, only: tuple[str, ...] | N
 
 
 def install_import_speedups() -> None:
-    """For a tool that imports megatron-core but trains nothing (preprocess_data): only the records that
-    keep importing it fast, quietly. Each stands down where it does not fit, so none can stop the tool."""
+    """For a tool that imports megatron-core but trains nothing (preprocess_data, the ckpt tool): only the
+    records that keep importing it fast, quietly. Each stands down where it does not fit, so none can stop
+    the tool. A record already decided in this process (a second call, pretrain.py's install) is skipped."""
     install(only=tuple(p.name for p in registry() if p.first and p.on_mismatch == STAND_DOWN), quiet=True)
 
 
