@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from megatron_resil import events, exit_codes
+from megatron_resil import events, exit_codes, standby
 
 POLL_SECS = 0.5
 
@@ -38,21 +38,21 @@ def watch() -> None:
     global _launcher
     if "TORCHELASTIC_RUN_ID" not in os.environ or _launcher is not None:
         return
-    _launcher = os.getppid()
+    _launcher = standby.launcher_pid()  # a standby worker's is its client's
     threading.Thread(target=_watch, name="launcher-watch", daemon=True).start()
 
 
 def stop_if_orphaned() -> None:
     """For the main thread's error path: a rank whose peer noticed first fails in a collective before
     its own watch does; the launcher's death is the cause to report, not that error."""
-    if _launcher is not None and os.getppid() != _launcher:
+    if _launcher is not None and standby.launcher_pid() != _launcher:
         _stop()
 
 
 def _watch() -> None:
     global _forks
     polls = 0
-    while os.getppid() == _launcher:
+    while standby.launcher_pid() == _launcher:
         if polls % 20 == 0:  # every 10 s: rank monitors are restarted with the workers
             _forks = _forks_of(_launcher) or _forks
         polls += 1
@@ -86,7 +86,7 @@ def _forks_of(launcher: int) -> set[int]:
     except OSError:
         return set()
     found = set()
-    for pid in _children_of(launcher) - {os.getpid()}:
+    for pid in _children_of(launcher) - {standby.launched_pid()}:
         try:
             if Path(f"/proc/{pid}/cmdline").read_bytes() == command:
                 found.add(pid)

@@ -43,7 +43,7 @@ import socket
 import stat
 import time
 
-from megatron_resil import events
+from megatron_resil import events, standby
 
 PHASES = ("detection", "teardown", "spawn", "imports", "rendezvous", "model", "checkpoint_choice", "load",
           "data", "first_iteration")
@@ -77,6 +77,15 @@ def mark(name: str) -> None:
 def interpreter_started() -> None:
     """The interpreter reached our code (pretrain.py's first lines): a detail of the imports phase."""
     _process_marks.setdefault("interpreter", time.time())
+
+
+def process_marks() -> dict[str, float]:
+    return dict(_process_marks)
+
+
+def adopt_process_marks(marks: dict[str, float]) -> None:
+    """A standby worker: its client's marks (its interpreter is the one the launcher started)."""
+    _process_marks.update(marks)
 
 
 def attempt_started() -> None:
@@ -115,9 +124,10 @@ def measure() -> dict:
     details: dict[str, float | str | None] = {}
     first_in_process = _attempts_in_process == 1
     if first_in_process:
-        marks["spawned"] = process_started_unix()
+        marks["spawned"] = process_started_unix(standby.launched_pid())  # the launcher's, not a fork
         details["interpreter"] = _process_marks.get("interpreter")
-    launcher = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ and first_in_process else None
+        details["standby"] = standby.in_worker()
+    launcher = standby.launcher_pid() if "TORCHELASTIC_RUN_ID" in os.environ and first_in_process else None
     launcher_started = process_started_unix(launcher) if launcher else None
     details["launcher_started"] = launcher_started
     previous = previous_attempt(events.log_path())

@@ -32,3 +32,49 @@ SECONDS_PER_FILE = {  # seconds per file, three at a time on a quiet machine, 20
 def pytest_collection_modifyitems(session, config, items):
     # sort() is stable: within a file, and among unlisted files, the collected order stays.
     items.sort(key=lambda item: -SECONDS_PER_FILE.get(item.path.name, 0))
+
+
+# ---- ranks forked from a standby (megatron_resil/standby.py) --------------------------------------------
+# Each test process starts one standby with the environment launch.env() gives every rank, and every rank
+# the tests start hands itself to it: about half of a 2-rank launch's CPU is each rank importing torch, on
+# 2 cores that is the suite's time. Ranks that cannot use it (another interpreter, PYTHONPATH or
+# import-time environment, --inprocess-restart) say so and import for themselves.
+# MEGATRON_RESIL_TEST_STANDBY=0 runs the suite without it, every rank importing for itself.
+
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _standby(tmp_path_factory):
+    if os.environ.get("MEGATRON_RESIL_TEST_STANDBY", "1") == "0":
+        yield None
+        return
+    try:
+        from tests.launch import REPO, env
+    except ImportError:  # tests/ on sys.path instead
+        from launch import REPO, env
+    from megatron_resil import standby
+
+    name = f"tests-{os.getpid()}"
+    log = tmp_path_factory.mktemp("standby") / "standby.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "megatron_resil.standby", "--name", name], env=env(),
+                                cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not standby.ping(name):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.exit(f"the tests' standby did not start: {log.read_text()[-2000:]}", returncode=1)
+        time.sleep(0.1)
+    os.environ[standby.ENV] = name
+    try:
+        yield name
+    finally:
+        os.environ.pop(standby.ENV, None)
+        proc.terminate()
+        proc.wait(timeout=30)
