@@ -8,7 +8,8 @@ import threading
 from megatron_resil import restart_phases, standby
 
 restart_phases.interpreter_started()  # first: when the interpreter reached our code
-standby.hand_over()  # with MEGATRON_RESIL_STANDBY: this process only mirrors a worker forked from it
+if __name__ == "__main__":  # not in a spawned helper that imports this module
+    standby.hand_over()  # with MEGATRON_RESIL_STANDBY: this process only mirrors a worker forked from it
 
 if "--inprocess-restart" in sys.argv[1:]:
     # NVRx polls its store once a second, and each poll that times out makes torch print two C++

@@ -34,6 +34,7 @@ import select
 import signal
 import socket
 import struct
+import subprocess
 import sys
 import time
 
@@ -50,6 +51,7 @@ _IMPORT_ENV_PREFIXES = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "G
                         "CUDA", "NVIDIA_", "NVTE_", "LANG", "LC_")
 _NOT_IMPORT_ENV = ("TORCHELASTIC_", "TORCH_NCCL_")
 _TICK = 0.02  # seconds between checks of the clients' stopped state
+_FOLLOW_SECS = 0.05  # seconds between a client's looks at how its worker handles signals
 _HEADER = struct.Struct("!I")
 
 _client: int | None = None  # in a worker: the pid of the process the launcher started
@@ -117,20 +119,26 @@ def hand_over() -> None:
 
 def _not_used(name: str, why: str) -> None:
     if os.environ.get("RANK", "0") == "0":
-        print(f"[resil] standby: {ENV}={name} not used: {why}; this rank imports torch itself", file=sys.stderr,
-              flush=True)
+        print(f"[resil] standby: {ENV}={name} not used: {why}; this rank imports torch itself",
+              file=sys.stderr, flush=True)
 
 
 def _mirror(sock: socket.socket, worker: int) -> None:
-    """Be the worker to the launcher: pass signals on, and end as it ends."""
+    """Be the worker to the launcher: handle each signal as the worker does (pass on the ones it catches,
+    ignore the ones it ignores, die of the others as it would), and end as it ends."""
     def forward(signum, _frame):
         try:
             os.kill(worker, signum)
         except ProcessLookupError:
             pass
 
-    for sig in FORWARDED:
-        signal.signal(sig, forward)
+    followed: dict[int, object] = {}
+    while not select.select([sock], [], [], _FOLLOW_SECS)[0]:
+        for signum, how in _dispositions(worker).items():
+            handler = forward if how == "caught" else signal.SIG_IGN if how == "ignored" else signal.SIG_DFL
+            if followed.get(signum) is not handler:
+                signal.signal(signum, handler)
+                followed[signum] = handler
     try:
         end = _receive(sock)
     except (OSError, ValueError):
@@ -138,7 +146,8 @@ def _mirror(sock: socket.socket, worker: int) -> None:
     sys.stdout.flush()
     if "signal" in end:
         signum = int(end["signal"])
-        signal.signal(signum, signal.SIG_DFL)
+        if signum not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(signum, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
         os.kill(os.getpid(), signum)
         os._exit(128 + signum)  # a signal whose default is not to end the process
@@ -151,6 +160,20 @@ def _mirror(sock: socket.socket, worker: int) -> None:
     print(f"[resil] standby: the standby process that ran this rank (worker pid {worker}) is gone; the rank "
           f"ends with it; exiting with code 1", file=sys.stderr, flush=True)
     os._exit(1)
+
+
+def _dispositions(pid: int) -> dict[int, str]:
+    """How process `pid` handles each of FORWARDED: "caught", "ignored" or "default" ({} once it is gone)."""
+    masks = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(("SigIgn:", "SigCgt:")):
+                    masks[line[:6]] = int(line.split()[1], 16)
+    except OSError:
+        return {}
+    return {signum: "caught" if masks.get("SigCgt", 0) >> (signum - 1) & 1 else
+            "ignored" if masks.get("SigIgn", 0) >> (signum - 1) & 1 else "default" for signum in FORWARDED}
 
 
 def fingerprint() -> dict:
@@ -185,9 +208,9 @@ def _set_streams(streams: dict) -> None:
         if how is None:
             continue
         raw = io.FileIO(fd, "w", closefd=False)
-        stream = io.TextIOWrapper(io.BufferedWriter(raw) if how["buffered"] else raw, encoding=how["encoding"],
-                                  errors=how["errors"], line_buffering=how["line_buffering"],
-                                  write_through=how["write_through"])
+        stream = io.TextIOWrapper(io.BufferedWriter(raw) if how["buffered"] else raw,
+                                  encoding=how["encoding"], errors=how["errors"],
+                                  line_buffering=how["line_buffering"], write_through=how["write_through"])
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
 
@@ -210,7 +233,8 @@ def _send(sock: socket.socket, message: dict, fds: list[int] | None = None) -> N
     payload = json.dumps(message).encode()
     data = _HEADER.pack(len(payload)) + payload
     if fds:
-        sent = sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))])
+        rights = (socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))
+        sent = sock.sendmsg([data], [rights])
         data = data[sent:]
     if data:
         sock.sendall(data)
@@ -248,7 +272,7 @@ class _Served:
         self.conn.close()
 
 
-def serve(name: str, preload: tuple[str, ...] = PRELOAD) -> None:
+def serve(name: str, preload: tuple[str, ...] = PRELOAD, ready_fd: int | None = None) -> None:
     import importlib
 
     import megatron_resil  # noqa: F401 - its import-time set-up (quiet_imports), as a rank has it
@@ -265,6 +289,9 @@ def serve(name: str, preload: tuple[str, ...] = PRELOAD) -> None:
               file=sys.stderr, flush=True)
         sys.exit(2)
     listener.listen(64)
+    if ready_fd is not None:  # the launcher waits for this before it starts
+        os.write(ready_fd, b"1")
+        os.close(ready_fd)
     parent = os.getppid()
     print(f"[resil] standby {name!r}: ready in {time.monotonic() - started:.1f} s ({', '.join(preload)} "
           f"imported); ranks started with {ENV}={name} are forked from it", flush=True)
@@ -336,7 +363,10 @@ def _tend(served: dict[int, _Served]) -> None:
         except ChildProcessError:
             done, status = worker, 0
         if done:
-            end = {"signal": os.WTERMSIG(status)} if os.WIFSIGNALED(status) else {"exit": os.waitstatus_to_exitcode(status)}
+            end = {"signal": os.WTERMSIG(status)} if os.WIFSIGNALED(status) else \
+                {"exit": os.waitstatus_to_exitcode(status)}
+            if end.get("signal") == signal.SIGKILL:  # at once, stopped or not (a rank monitor's kill)
+                _signal(s.client, signal.SIGKILL)
             try:
                 _send(s.conn, end)
             except OSError:
@@ -380,7 +410,7 @@ def _become_worker(listener, conn, served, request: dict, fds: list[int]) -> Non
             s.close()
         os.setsid()  # as torchrun starts a rank: a session of its own
         _die_with_parent()
-        for target, fd in zip(request["fds"], fds):
+        for target, fd in zip(request["fds"], fds, strict=True):
             os.dup2(fd, target)
         for fd in set(fds) - {0, 1, 2}:
             os.close(fd)
@@ -436,16 +466,48 @@ def ping(name: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    command = argv[argv.index("--") + 1:] if "--" in argv else []
     parser = argparse.ArgumentParser(prog="python -m megatron_resil.standby", description=(
         "Import torch once and fork each rank started with MEGATRON_RESIL_STANDBY=NAME from it "
-        "(docs/standby.md). Start it in the environment the ranks get; it ends with its parent."))
+        "(docs/standby.md). It ends with its parent. With `-- LAUNCHER ARGS...`: start the standby, then "
+        "run the launcher in this process with MEGATRON_RESIL_STANDBY set; the standby ends with it."))
     parser.add_argument("--name", default=os.environ.get(ENV),
-                        help=f"the name ranks find it by (default: ${ENV})")
-    args = parser.parse_args(argv)
+                        help=f"the name ranks find it by (default: ${ENV}; with a launcher: 'launcher', "
+                             "and this process's pid is added, so each launcher on a host has its own)")
+    parser.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)  # written to once it serves
+    args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    if "--" in argv and not command:
+        parser.error("name the launcher to run after --")
+    if command:
+        return _serve_then_run(f"{args.name or 'launcher'}-{os.getpid()}", command)
     if not args.name:
         parser.error(f"--name is required (or set {ENV})")
-    serve(args.name)
+    serve(args.name, ready_fd=args.ready_fd)
     return 0
+
+
+def _serve_then_run(name: str, command: list[str]) -> int:
+    """Start the standby as a process of its own (its command line names no run), wait until it serves,
+    then become the launcher (exec): the standby's parent is then the launcher, and it ends with it."""
+    ready_r, ready_w = os.pipe()
+    subprocess.Popen([sys.executable, "-m", "megatron_resil.standby", "--name", name,
+                      "--ready-fd", str(ready_w)], pass_fds=(ready_w,))
+    os.close(ready_w)
+    with os.fdopen(ready_r, "rb") as ready:
+        started = ready.read(1) == b"1"  # EOF without it: the standby could not start (its line says why)
+    env = dict(os.environ)
+    if started:
+        env[ENV] = name
+    else:
+        env.pop(ENV, None)
+        print("[resil] standby: not started; the ranks import torch themselves", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    try:
+        os.execvpe(command[0], command, env)
+    except OSError as err:
+        print(f"[resil] standby: cannot run the launcher {command[0]!r} ({err.strerror})", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # run as the module itself, not as __main__: a worker's pretrain.py imports it

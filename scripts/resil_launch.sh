@@ -39,9 +39,13 @@ resil_check_args() {
   WORLD_SIZE=$((NNODES * NPROC_PER_NODE)) "$RESIL_PYTHON" "$RESIL_ROOT/pretrain.py" --check-args-only "$@"
 }
 
-# The ft_launcher command of one node (without the pretrain.py arguments).
+# The ft_launcher command of one node (without the pretrain.py arguments). RESIL_STANDBY=1: each node's
+# launcher starts with a standby that has torch imported, and its ranks, first and restarted, are forked
+# from it (docs/standby.md).
 resil_launcher_cmd() {
-  RESIL_LAUNCHER=("$RESIL_PYTHON" -m nvidia_resiliency_ext.fault_tolerance.launcher
+  RESIL_LAUNCHER=()
+  [ "${RESIL_STANDBY:-0}" = 1 ] && RESIL_LAUNCHER=("$RESIL_PYTHON" -m megatron_resil.standby --)
+  RESIL_LAUNCHER+=("$RESIL_PYTHON" -m nvidia_resiliency_ext.fault_tolerance.launcher
     --rdzv-backend c10d --rdzv-endpoint "$RDZV_HOST:$RDZV_PORT"
     --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" --max-restarts "$MAX_RESTARTS"
     --ft-enable-nic-monitor false ${FT_LAUNCHER_ARGS:-})

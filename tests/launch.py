@@ -25,8 +25,12 @@ TINY_TRAINING = ["--micro-batch-size", "2", "--lr", "1e-3", "--min-lr", "1e-4",
 _LOSS_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: (\S+) \|.*?grad norm: (\S+) \|")
 
 
-def env() -> dict[str, str]:
+def env(standby: bool = True) -> dict[str, str]:
+    """The environment of every process the tests start. `standby=False`: without the tests' standby
+    (tests/conftest.py), for a process that changes what it imports before pretrain.py runs."""
     e = dict(os.environ)
+    if not standby:
+        e.pop("MEGATRON_RESIL_STANDBY", None)
     e.update({"PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
               "MASTER_ADDR": "127.0.0.1", "PYTHONUNBUFFERED": "1"})
     return e
@@ -50,6 +54,22 @@ def start(args: list[str], nproc: int = 2, log_path: Path | None = None) -> subp
     out = open(log_path, "w") if log_path else subprocess.DEVNULL
     return subprocess.Popen(torchrun_cmd(args, nproc), env=env(), cwd=REPO, stdout=out,
                             stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def standby_pid() -> int | None:
+    """The pid of the tests' standby of this test process (tests/conftest.py), None without one: the
+    ranks it forks, and what they start, descend from it, not from their launcher."""
+    name = os.environ.get("MEGATRON_RESIL_STANDBY")
+    if not name:
+        return None
+    needle = f"--name\0{name}\0".encode()
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and needle in Path(f"/proc/{entry}/cmdline").read_bytes():
+                return int(entry)
+        except OSError:
+            continue
+    return None
 
 
 def ckpt_tool(*args) -> subprocess.CompletedProcess:

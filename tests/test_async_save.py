@@ -105,15 +105,18 @@ def _descends_from(pid: int, ancestor: int) -> bool:
 def _workers(launched_by: int | None = None) -> list[int]:
     """The async workers: named processes whose parent is a trainer (megatron-core's writers, which
     a worker forks, inherit its name); only those of the run `launched_by` started, when given (another
-    test's run may have workers of its own on this machine)."""
+    test's run may have workers of its own on this machine; a rank forked from the tests' standby, and so
+    its workers, descend from that standby, which serves only this test process)."""
     found = []
+    standby = launch.standby_pid()  # a rank forked from the tests' standby descends from it
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or _comm(entry) != WORKER_COMM:
             continue
         parent = _parent(entry)
         if parent is None or _comm(parent) == WORKER_COMM:
             continue
-        if launched_by is None or _descends_from(int(entry), launched_by):
+        if launched_by is None or _descends_from(int(entry), launched_by) or \
+                (standby is not None and _descends_from(int(entry), standby)):
             found.append(int(entry))
     return found
 

@@ -18,9 +18,10 @@ from tests import launch
 
 
 def _python(code: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    """A fresh interpreter (nothing imported yet, as at a real start-up), in the repository."""
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=launch.env(), cwd=launch.REPO,
-                          timeout=timeout, capture_output=True, text=True)
+    """A fresh interpreter (nothing imported yet, as at a real start-up), in the repository; a pretrain.py
+    it runs after changing a module runs here, not in the tests' standby."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=launch.env(standby=False),
+                          cwd=launch.REPO, timeout=timeout, capture_output=True, text=True)
 
 
 def _lines(result: subprocess.CompletedProcess) -> list[str]:

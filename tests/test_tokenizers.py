@@ -515,7 +515,7 @@ def test_a_missing_hf_or_tiktoken_package_is_named_with_its_pip_command(hf_token
     (blocked / "__init__.py").write_text("raise ImportError('not installed')\n")
     kind = "HuggingFaceTokenizer" if package == "transformers" else "TikTokenizer"
     flags = _flags_for(kind, hf_tokenizer_dir, tiktoken_vocab)
-    env = {**launch.env(), "PYTHONPATH": f"{blocked.parent}{os.pathsep}{launch.REPO}"}
+    env = {**launch.env(standby=False), "PYTHONPATH": f"{blocked.parent}{os.pathsep}{launch.REPO}"}
     result = subprocess.run([sys.executable, launch.PRETRAIN, *_pretrain_args(*flags), "--check-args-only"],
                             env=env, cwd=launch.REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2, result.stderr

@@ -1,0 +1,206 @@
+"""Ranks forked from a standby (megatron_resil/standby.py) are the ranks to everyone outside.
+
+The process the launcher started is the rank to torchrun, ft_launcher, Slurm and the tests: what is done
+to it (SIGSTOP, SIGCONT, kill -9, SIGTERM) is done to the worker, and the worker's end is its end. A rank
+the standby cannot serve imports for itself, saying why in one line; the standby serves its own user only,
+and a standby that dies ends its ranks with one line. Every rank the other tests start uses the standby
+their test process started (tests/conftest.py), so the rest of the suite is this feature's test too."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_resil import standby
+from tests import launch
+
+pytestmark = pytest.mark.slow
+
+LONG_RUN = [*launch.TINY_MODEL, *launch.TINY_TRAINING, "--train-iters", "100000", "--log-interval", "1"]
+
+
+@pytest.fixture
+def session_standby(_standby) -> str:
+    """The standby this test process started (tests/conftest.py)."""
+    if _standby is None:
+        pytest.skip("the suite runs without a standby (MEGATRON_RESIL_TEST_STANDBY=0)")
+    return _standby
+
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (fields := _stat(int(entry.name))) and int(fields[1]) == pid:
+            found.append(int(entry.name))
+    return found
+
+
+def _standby_pid(name: str) -> int:
+    needle = f"--name\0{name}\0".encode()
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and needle in (entry / "cmdline").read_bytes():
+                return int(entry.name)
+        except OSError:
+            continue
+    raise AssertionError(f"no standby named {name}")
+
+
+def _alive(pid: int) -> bool:
+    fields = _stat(pid)
+    return fields is not None and fields[0] not in ("Z", "X")
+
+
+def _wait(condition, what: str, timeout: float = 120, proc=None, log: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc is not None and proc.poll() is not None and log is not None:
+            raise AssertionError(f"the run ended while waiting for {what}: {log.read_text()[-3000:]}")
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s" + \
+            (f"\n{log.read_text()[-3000:]}" if log is not None else "")
+        time.sleep(0.05)
+
+
+def _start_one_rank(tmp_path: Path, name: str | None = None):
+    """A one-rank torchrun run that trains until killed; returns (torchrun, log, client, worker)."""
+    log = tmp_path / "run.log"
+    proc = launch.start(LONG_RUN, nproc=1, log_path=log)
+    _wait(lambda: "iteration        2/" in log.read_text(), "iteration 2", proc=proc, log=log)
+    (client,) = [pid for pid in _children(proc.pid)
+                 if b"LOCAL_RANK=" in Path(f"/proc/{pid}/environ").read_bytes()]
+    (worker,) = _children(_standby_pid(name or os.environ[standby.ENV]))
+    return proc, log, client, worker
+
+
+def _kill_tree(proc, *pids: int) -> None:
+    for pid in (proc.pid, *pids):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=30)
+
+
+def test_stop_continue_and_kill_of_the_launchers_process_reach_the_worker(tmp_path, session_standby):
+    proc, log, client, worker = _start_one_rank(tmp_path)
+    try:
+        assert worker != client and _stat(worker)[1] != str(proc.pid)  # the standby's fork, not torchrun's
+        os.kill(client, signal.SIGSTOP)
+        _wait(lambda: _stat(worker)[0] == "T", "the worker stopped with its client", timeout=5)
+        lines = log.read_text().count("iteration ")
+        time.sleep(1.0)
+        assert log.read_text().count("iteration ") == lines  # stopped: it trains no further
+        os.kill(client, signal.SIGCONT)
+        _wait(lambda: _stat(worker)[0] != "T", "the worker continued with its client", timeout=5)
+        _wait(lambda: log.read_text().count("iteration ") > lines, "training to go on", timeout=30)
+        os.kill(client, signal.SIGKILL)  # what a launcher, a rank monitor or the OOM killer does
+        _wait(lambda: not _alive(worker), "the worker to die with its client", timeout=5)
+        assert proc.wait(timeout=60) != 0  # torchrun saw its rank killed (no restarts asked for)
+    finally:
+        _kill_tree(proc, client, worker)
+    assert "Signal 9 (SIGKILL) received by PID" in log.read_text()
+
+
+def test_the_workers_end_is_the_clients_a_signal_as_a_signal(tmp_path, session_standby):
+    proc, log, client, worker = _start_one_rank(tmp_path)
+    try:
+        os.kill(worker, signal.SIGKILL)  # a fault inside the rank itself
+        _wait(lambda: not _alive(client), "the client to end as its worker did", timeout=10)
+        assert proc.wait(timeout=60) != 0
+    finally:
+        _kill_tree(proc, client, worker)
+    assert "Signal 9 (SIGKILL) received by PID" in log.read_text()  # torchrun: killed by SIGKILL, not exit 1
+
+
+def test_sigterm_is_passed_on_and_the_exit_code_comes_back(tmp_path, session_standby):
+    save = tmp_path / "ckpt"
+    log = tmp_path / "run.log"
+    proc = launch.start([*LONG_RUN, "--save", str(save), "--save-interval", "1000", "--exit-signal-handler"],
+                        nproc=1, log_path=log)
+    try:
+        _wait(lambda: "iteration        2/" in log.read_text(), "iteration 2", proc=proc, log=log)
+        (client,) = [pid for pid in _children(proc.pid)
+                     if b"LOCAL_RANK=" in Path(f"/proc/{pid}/environ").read_bytes()]
+        os.kill(client, signal.SIGTERM)  # the launcher's own SIGTERM would go to it the same way
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            _kill_tree(proc)
+    out = log.read_text()
+    assert "exitcode  : 5" in out or "exitcode: 5" in out, out[-3000:]  # SIGNAL_SAVED, through the client
+    assert (save / "latest_checkpointed_iteration.txt").exists()
+
+
+def test_a_rank_with_another_import_environment_imports_for_itself(tmp_path, session_standby):
+    env = {**launch.env(), "OMP_NUM_THREADS": "2"}  # torch would be set up for another thread count
+    command = launch.torchrun_cmd([*launch.TINY_MODEL, *launch.TINY_TRAINING, "--train-iters", "4"], nproc=1)
+    out = subprocess.run(command, env=env, cwd=launch.REPO, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("[resil] standby:")]
+    assert lines == [f"[resil] standby: {standby.ENV}={session_standby} not used: it was started with "
+                     "another import-time environment (OMP_NUM_THREADS differs); this rank imports torch "
+                     "itself"], out.stderr[-3000:]
+    assert "iteration        4/" in out.stdout
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to become another user")
+def test_the_standby_serves_its_own_user_only(session_standby):
+    name = session_standby
+    assert standby.ping(name)
+    child = os.fork()
+    if child == 0:  # another user on the same host: refused before anything is read
+        os.setgid(65534)
+        os.setuid(65534)
+        os._exit(0 if standby.ping(name) else 3)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 3
+
+
+def test_a_standby_that_dies_ends_its_ranks_with_one_line(tmp_path):
+    name = f"test-dies-{os.getpid()}"
+    own = subprocess.Popen([sys.executable, "-m", "megatron_resil.standby", "--name", name], env=launch.env(),
+                           cwd=launch.REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = None
+    try:
+        _wait(lambda: standby.ping(name), "the standby to start", timeout=60)
+        session = os.environ.get(standby.ENV)
+        os.environ[standby.ENV] = name  # launch.env() passes it to the ranks
+        try:
+            proc, log, client, worker = _start_one_rank(tmp_path, name)
+        finally:
+            if session is None:
+                os.environ.pop(standby.ENV)
+            else:
+                os.environ[standby.ENV] = session
+        own.kill()
+        _wait(lambda: not _alive(worker) and not _alive(client), "the rank to end with its standby",
+              timeout=10)
+        assert proc.wait(timeout=60) != 0
+        out = log.read_text()
+        assert f"[resil] standby: the standby process that ran this rank (worker pid {worker}) is gone; " \
+               "the rank ends with it; exiting with code 1" in out, out[-3000:]
+    finally:
+        own.kill()
+        own.wait()
+        if proc is not None and proc.poll() is None:
+            _kill_tree(proc)
+
+
+def test_inprocess_restart_keeps_its_processes_and_says_so(session_standby):
+    out = launch.run_single(["--inprocess-restart", "--check-args-only", *launch.TINY_MODEL,
+                             *launch.TINY_TRAINING, "--train-iters", "4"])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "not used: --inprocess-restart restarts within its processes" in out.stderr
