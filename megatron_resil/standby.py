@@ -297,10 +297,15 @@ def serve(name: str, preload: tuple[str, ...] = PRELOAD, ready_fd: int | None = 
           f"imported); ranks started with {ENV}={name} are forked from it", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the workers die with it (parent-death signal)
     served: dict[int, _Served] = {}
-    while os.getppid() == parent:
-        waiting = [listener] + [fd for s in served.values() for fd in (s.client_fd, s.worker_fd)]
-        ready, _, _ = select.select(waiting, [], [], _TICK)
-        if listener in ready:
+    while listener is not None or served:
+        if listener is not None and os.getppid() != parent:
+            # No new ranks. The running ones end by themselves: their launcher watch sees the launcher
+            # gone and writes the exit record (exit 9), which a standby dying under them would not.
+            listener.close()
+            listener = None
+        waiting = [fd for s in served.values() for fd in (s.client_fd, s.worker_fd)]
+        ready, _, _ = select.select(waiting + ([listener] if listener is not None else []), [], [], _TICK)
+        if listener is not None and listener in ready:
             _accept(listener, mine, served)
         _tend(served)
 
@@ -470,17 +475,18 @@ def main(argv: list[str] | None = None) -> int:
     command = argv[argv.index("--") + 1:] if "--" in argv else []
     parser = argparse.ArgumentParser(prog="python -m megatron_resil.standby", description=(
         "Import torch once and fork each rank started with MEGATRON_RESIL_STANDBY=NAME from it "
-        "(docs/standby.md). It ends with its parent. With `-- LAUNCHER ARGS...`: start the standby, then "
+        "(docs/standby.md). It ends after its parent, once its ranks have. With `-- LAUNCHER ARGS...`: start the standby, then "
         "run the launcher in this process with MEGATRON_RESIL_STANDBY set; the standby ends with it."))
-    parser.add_argument("--name", default=os.environ.get(ENV),
-                        help=f"the name ranks find it by (default: ${ENV}; with a launcher: 'launcher', "
-                             "and this process's pid is added, so each launcher on a host has its own)")
+    parser.add_argument("--name", help=f"the name ranks find it by (default: ${ENV}; with a launcher: "
+                                       "'launcher'; this process's pid is added, so each launcher on a host "
+                                       "has its own)")
     parser.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)  # written to once it serves
     args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     if "--" in argv and not command:
         parser.error("name the launcher to run after --")
     if command:
         return _serve_then_run(f"{args.name or 'launcher'}-{os.getpid()}", command)
+    args.name = args.name or os.environ.get(ENV)
     if not args.name:
         parser.error(f"--name is required (or set {ENV})")
     serve(args.name, ready_fd=args.ready_fd)

@@ -16,7 +16,7 @@ joins, as Slurm would give one, and ft_launcher restarts the workers. Variants:
      with a diagnostic checkpoint, one same-device retry (--rerun-max-same-device-retries 1), the fallback
      to an older global checkpoint, the NaN again, and a stop with exit code 8 (do not requeue).
 
-    python scripts/node_loss_drill.py --variant a [--layout dp] [--workdir DIR] [--timeout SECS]
+    python scripts/node_loss_drill.py --variant a [--layout dp] [--workdir DIR] [--timeout SECS] [--standby]
 
 --layout picks the parallel layout of the 4 ranks (always on megatron-core's distributed optimizer, so
 each rank's shard holds the only copy of its part of the Adam state): dp (DP=4, the default), tp2-sp
@@ -116,7 +116,9 @@ def _signal_tree(pid: int, sig: int, include_root: bool = True) -> None:
 
 
 class Drill:
-    def __init__(self, variant: str, work: Path, timeout: float, layout: str = "dp") -> None:
+    def __init__(self, variant: str, work: Path, timeout: float, layout: str = "dp",
+                 standby: bool = False) -> None:
+        self.standby = standby
         self.variant, self.work, self.deadline = variant, work, time.monotonic() + timeout
         self.layout = layout
         self.save = work / "checkpoints"
@@ -152,7 +154,10 @@ class Drill:
                # Two "nodes" on one host: NVRx 0.7 closes a rendezvous that has two launchers on one
                # address unless told that this is a simulation.
                "NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE": "1"}
-        cmd = [sys.executable, "-m", "nvidia_resiliency_ext.fault_tolerance.launcher",
+        env.pop("MEGATRON_RESIL_STANDBY", None)  # --standby decides, not the caller's environment
+        # --standby: each node's launcher starts with a standby of its own (docs/standby.md).
+        wrapper = [sys.executable, "-m", "megatron_resil.standby", "--"] if self.standby else []
+        cmd = [*wrapper, sys.executable, "-m", "nvidia_resiliency_ext.fault_tolerance.launcher",
                "--nnodes", str(NODES), "--nproc-per-node", str(RANKS_PER_NODE), "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", f"drill-{self.variant}",
                "--local-addr", "127.0.0.1", "--max-restarts", "4", "--ft-enable-nic-monitor", "false", *FT,
@@ -344,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600, help="seconds before the drill gives up")
     parser.add_argument("--layout", choices=sorted(LAYOUTS), default="dp",
                         help="the parallel layout of the 4 ranks (default: dp, data parallel)")
+    parser.add_argument("--standby", action="store_true",
+                        help="each node's launcher starts with a standby that has torch imported, and the "
+                             "ranks are forked from it (docs/standby.md)")
     args = parser.parse_args(argv)
     if args.workdir is None:
         work = Path(tempfile.mkdtemp(prefix=f"node-loss-drill-{args.variant}-"))
@@ -352,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         if work.exists() and (not work.is_dir() or any(work.iterdir())):
             parser.error(f"--workdir {work} exists and is not an empty directory; name a new one")
         work.mkdir(parents=True, exist_ok=True)
-    drill = Drill(args.variant, work, args.timeout, args.layout)
+    drill = Drill(args.variant, work, args.timeout, args.layout, args.standby)
     try:
         return drill.run()
     except DrillError as err:

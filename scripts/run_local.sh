@@ -5,7 +5,7 @@
 # Slurm's `--signal=B:SIGTERM@<grace>` does for the batch script: it is forwarded to the job step, whose
 # ranks save and exit 5 (with --exit-signal-handler), and the job is requeued.
 #
-# Usage: [NPROC_PER_NODE=2] [MAX_REQUEUES=3] [MAX_RESTARTS=2] scripts/run_local.sh <pretrain.py flags>
+# Usage: [NPROC_PER_NODE=2] [MAX_REQUEUES=3] [MAX_RESTARTS=2] [RESIL_STANDBY=1] scripts/run_local.sh <flags>
 # (--save DIR is required: the requeue decision reads DIR/events.jsonl). Exit code: the run's own
 # (0 finished; see docs/exit_codes.md), or 1 when MAX_REQUEUES ran out.
 set -uo pipefail

@@ -60,16 +60,22 @@ def standby_pid() -> int | None:
     """The pid of the tests' standby of this test process (tests/conftest.py), None without one: the
     ranks it forks, and what they start, descend from it, not from their launcher."""
     name = os.environ.get("MEGATRON_RESIL_STANDBY")
-    if not name:
-        return None
-    needle = f"--name\0{name}\0".encode()
+    found = processes_named(name) if name else []
+    return found[0] if found else None
+
+
+def processes_named(standby: str) -> list[int]:
+    """The live processes of the standby called `standby` (python -m megatron_resil.standby --name ...)."""
+    needle = f"--name\0{standby}\0".encode()
+    found = []
     for entry in os.listdir("/proc"):
         try:
-            if entry.isdigit() and needle in Path(f"/proc/{entry}/cmdline").read_bytes():
-                return int(entry)
-        except OSError:
+            if entry.isdigit() and needle in Path(f"/proc/{entry}/cmdline").read_bytes() and \
+                    Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                found.append(int(entry))
+        except (OSError, IndexError):
             continue
-    return None
+    return found
 
 
 def ckpt_tool(*args) -> subprocess.CompletedProcess:

@@ -15,6 +15,9 @@ run, no process of the run left behind; it reports goodput: useful iterations pe
 same run without faults. Marked `chaos` (a few minutes; CI deselects it, see scripts/test.sh):
 
     bash scripts/test.sh -m chaos -s          # CHAOS_SEED=N to replay an order
+
+Its launchers start with a standby (RESIL_STANDBY=1, docs/standby.md); CHAOS_STANDBY=0 runs every rank
+cold, for the comparison in BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -52,8 +55,12 @@ def _args(save: Path) -> list[str]:
 
 
 def _start(save: Path, log: Path) -> subprocess.Popen:
-    env = {**launch.env(), "RESIL_PYTHON": sys.executable, "NPROC_PER_NODE": "4", "MAX_RESTARTS": "8",
-           "MAX_REQUEUES": "8", "FT_LAUNCHER_ARGS": FT_ARGS}
+    # Each job step's launcher starts with a standby and the ranks are forked from it (RESIL_STANDBY=1,
+    # docs/standby.md); CHAOS_STANDBY=0: every rank imports for itself, as before issue 26's standby.
+    standby = os.environ.get("CHAOS_STANDBY", "1") != "0"
+    env = {**launch.env(standby=False), "RESIL_PYTHON": sys.executable, "NPROC_PER_NODE": "4",
+           "MAX_RESTARTS": "8", "MAX_REQUEUES": "8", "FT_LAUNCHER_ARGS": FT_ARGS,
+           "RESIL_STANDBY": "1" if standby else "0"}
     return subprocess.Popen(["bash", RUN_LOCAL, *_args(save)], env=env, cwd=launch.REPO,
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -70,8 +70,9 @@ def test_requeue_tool_reads_only_this_step_and_skips_a_torn_line(tmp_path):
     assert out.returncode == 0 and out.stdout.startswith("requeue 5: "), out.stdout + out.stderr
 
 
-def _local(args: list[str], log: Path) -> subprocess.Popen:
-    env = {**launch.env(), "RESIL_PYTHON": sys.executable, "MAX_REQUEUES": "2", "MAX_RESTARTS": "0"}
+def _local(args: list[str], log: Path, **extra_env: str) -> subprocess.Popen:
+    env = {**launch.env(), "RESIL_PYTHON": sys.executable, "MAX_REQUEUES": "2", "MAX_RESTARTS": "0",
+           **extra_env}
     return subprocess.Popen(["bash", RUN_LOCAL, *args], env=env, cwd=launch.REPO, stdout=open(log, "w"),
                             stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -119,6 +120,36 @@ def test_local_launcher_preemption_requeues_and_resumes_to_completion(tmp_path):
     for line in (root / "events.jsonl").read_text().splitlines():  # strict JSON: no bare NaN
         json.loads(line, parse_constant=_not_json)
     assert (root / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_with_resil_standby_the_launchers_standby_forks_the_first_and_the_restarted_ranks(tmp_path):
+    """RESIL_STANDBY=1: ft_launcher starts with a standby of its own (docs/standby.md); rank 0 kills itself
+    with SIGKILL, ft_launcher restarts both ranks, and they too are forked from it; it ends with the
+    launcher."""
+    root = tmp_path / "ckpt"
+    log = tmp_path / "launch.log"
+    args = [*launch.TINY_MODEL, *launch.TINY_TRAINING, "--train-iters", "4", "--save", str(root), "--load",
+            str(root), "--save-interval", "2", "--inject-fault", "kill", "--inject-fault-iteration", "3",
+            "--inject-fault-ranks", "0"]
+    proc = _local(args, log, RESIL_STANDBY="1", MAX_RESTARTS="1")
+    try:
+        assert proc.wait(timeout=300) == 0, log.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = log.read_text()
+    (ready,) = [line for line in out.splitlines() if line.startswith("[resil] standby 'launcher-")]
+    name = ready.split("'")[1]
+    assert "not used" not in out and "stop 0: training finished at iteration 4" in out
+    records = [json.loads(line) for line in (root / "events.jsonl").read_text().splitlines()]
+    phases = [r for r in records if r["event"] == "restart_phases"]
+    assert [(r["kind"], r["details"]["standby"]) for r in phases] == [("start-up", True),
+                                                                      ("in-job restart", True)]
+    deadline = time.monotonic() + 5  # the standby ends with its launcher
+    while launch.processes_named(name):
+        assert time.monotonic() < deadline, f"the standby {name} outlived its launcher"
+        time.sleep(0.05)
 
 
 def _not_json(constant: str) -> None:

@@ -105,6 +105,8 @@ def test_a_killed_rank_restart_is_split_into_phases_that_add_up_to_the_fault_to_
     events = [json.loads(line) for line in (save / "events.jsonl").read_text().splitlines()]
     start_up, restart = [e for e in events if e["event"] == restart_phases.EVENT]
     assert start_up["kind"] == "start-up" and restart["kind"] == "in-job restart"
+    # Forked from the tests' standby (tests/conftest.py), the phases count from the launcher's process.
+    assert restart["details"]["standby"] is (launch.standby_pid() is not None)
 
     phases = restart["phases"]
     assert set(phases) == set(restart_phases.PHASES)
