@@ -475,8 +475,9 @@ def main(argv: list[str] | None = None) -> int:
     command = argv[argv.index("--") + 1:] if "--" in argv else []
     parser = argparse.ArgumentParser(prog="python -m megatron_resil.standby", description=(
         "Import torch once and fork each rank started with MEGATRON_RESIL_STANDBY=NAME from it "
-        "(docs/standby.md). It ends after its parent, once its ranks have. With `-- LAUNCHER ARGS...`: start the standby, then "
-        "run the launcher in this process with MEGATRON_RESIL_STANDBY set; the standby ends with it."))
+        "(docs/standby.md). It ends after its parent, once its ranks have. With `-- LAUNCHER ARGS...`: "
+        "start the standby, then run the launcher in this process with MEGATRON_RESIL_STANDBY set; the "
+        "standby ends after it."))
     parser.add_argument("--name", help=f"the name ranks find it by (default: ${ENV}; with a launcher: "
                                        "'launcher'; this process's pid is added, so each launcher on a host "
                                        "has its own)")
