@@ -65,15 +65,19 @@ def standby_pid() -> int | None:
 
 
 def processes_named(standby: str) -> list[int]:
-    """The live processes of the standby called `standby` (python -m megatron_resil.standby --name ...)."""
+    """The live standby process called `standby` (python -m megatron_resil.standby --name ...), not the
+    ranks forked from it, which have its command line too: their parent has it as well."""
     needle = f"--name\0{standby}\0".encode()
     found = []
     for entry in os.listdir("/proc"):
         try:
-            if entry.isdigit() and needle in Path(f"/proc/{entry}/cmdline").read_bytes() and \
-                    Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            command = Path(f"/proc/{entry}/cmdline").read_bytes() if entry.isdigit() else b""
+            if needle not in command:
+                continue
+            state, parent = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[:2]
+            if state != "Z" and Path(f"/proc/{parent}/cmdline").read_bytes() != command:
                 found.append(int(entry))
-        except (OSError, IndexError):
+        except (OSError, IndexError, ValueError):
             continue
     return found
 

@@ -49,14 +49,9 @@ def _children(pid: int) -> list[int]:
 
 
 def _standby_pid(name: str) -> int:
-    needle = f"--name\0{name}\0".encode()
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and needle in (entry / "cmdline").read_bytes():
-                return int(entry.name)
-        except OSError:
-            continue
-    raise AssertionError(f"no standby named {name}")
+    found = launch.processes_named(name)
+    assert len(found) == 1, f"standby {name}: {found}"
+    return found[0]
 
 
 def _alive(pid: int) -> bool:
@@ -78,10 +73,14 @@ def _start_one_rank(tmp_path: Path, name: str | None = None):
     """A one-rank torchrun run that trains until killed; returns (torchrun, log, client, worker)."""
     log = tmp_path / "run.log"
     proc = launch.start(LONG_RUN, nproc=1, log_path=log)
-    _wait(lambda: "iteration        2/" in log.read_text(), "iteration 2", proc=proc, log=log)
-    (client,) = [pid for pid in _children(proc.pid)
-                 if b"LOCAL_RANK=" in Path(f"/proc/{pid}/environ").read_bytes()]
-    (worker,) = _children(_standby_pid(name or os.environ[standby.ENV]))
+    try:
+        _wait(lambda: "iteration        2/" in log.read_text(), "iteration 2", proc=proc, log=log)
+        (client,) = [pid for pid in _children(proc.pid)
+                     if b"LOCAL_RANK=" in Path(f"/proc/{pid}/environ").read_bytes()]
+        (worker,) = _children(_standby_pid(name or os.environ[standby.ENV]))
+    except BaseException:  # never leave a run that trains until killed behind
+        _kill_tree(proc, *[pid for pid in _children(proc.pid)])
+        raise
     return proc, log, client, worker
 
 
