@@ -51,6 +51,7 @@ _IMPORT_ENV_PREFIXES = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "G
                         "CUDA", "NVIDIA_", "NVTE_", "LANG", "LC_")
 _NOT_IMPORT_ENV = ("TORCHELASTIC_", "TORCH_NCCL_")
 _TICK = 0.02  # seconds between checks of the clients' stopped state
+_HANDSHAKE_SECS = 30.0
 _FOLLOW_SECS = 0.05  # seconds between a client's looks at how its worker handles signals
 _HEADER = struct.Struct("!I")
 
@@ -106,8 +107,10 @@ def hand_over() -> None:
                "umask": umask, "pid": os.getpid(), "ppid": os.getppid(), "fds": fds,
                "streams": _streams(), "marks": restart_phases.process_marks(), "fingerprint": fingerprint()}
     try:
-        _send(sock, request, fds)
+        sock.settimeout(_HANDSHAKE_SECS)  # a stopped or stuck standby: import here instead (a worker it
+        _send(sock, request, fds)  # forks later finds no one to tell its pid to, and is killed)
         reply = _receive(sock)
+        sock.settimeout(None)
     except (OSError, ValueError) as err:
         sock.close()
         return _not_used(name, f"the standby did not answer ({err})")
@@ -357,7 +360,14 @@ def _mismatch(mine: dict, theirs: dict) -> str | None:
                 return (f"it was started with another import-time environment ({', '.join(differ[:4])} "
                         f"differ{'s' if len(differ) == 1 else ''})")
         elif mine[key] != theirs.get(key):
-            return f"it was started with another {key} ({mine[key]!r}, this rank: {theirs.get(key)!r})"
+            ours, its = mine[key], theirs.get(key)
+            if isinstance(ours, list) and isinstance(its, list):  # the first entry that differs
+                shorter = min(len(ours), len(its))
+                at = next((i for i in range(shorter) if ours[i] != its[i]), shorter)
+                ours = ours[at] if at < len(ours) else "(none)"
+                its = its[at] if at < len(its) else "(none)"
+                key = f"{key} (entry {at})"
+            return f"it was started with another {key}: {ours!r}, this rank's: {its!r}"
     return None
 
 
