@@ -281,9 +281,7 @@ def serve(name: str, preload: tuple[str, ...] = PRELOAD, ready_fd: int | None = 
     import megatron_resil  # noqa: F401 - its import-time set-up (quiet_imports), as a rank has it
 
     started = time.monotonic()
-    for module in preload:
-        importlib.import_module(module)
-    mine = fingerprint()
+    parent = os.getppid()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         listener.bind(_address(name))
@@ -291,11 +289,15 @@ def serve(name: str, preload: tuple[str, ...] = PRELOAD, ready_fd: int | None = 
         print(f"[resil] standby: the name {name!r} is taken ({err.strerror}): another standby serves it",
               file=sys.stderr, flush=True)
         sys.exit(2)
+    # Bound before the imports: a rank that comes meanwhile waits in the backlog (its handshake allows
+    # for that), so a launcher started with this standby need not wait for the imports to begin.
     listener.listen(64)
-    if ready_fd is not None:  # the launcher waits for this before it starts
+    if ready_fd is not None:
         os.write(ready_fd, b"1")
         os.close(ready_fd)
-    parent = os.getppid()
+    for module in preload:
+        importlib.import_module(module)
+    mine = fingerprint()
     print(f"[resil] standby {name!r}: ready in {time.monotonic() - started:.1f} s ({', '.join(preload)} "
           f"imported); ranks started with {ENV}={name} are forked from it", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the workers die with it (parent-death signal)
@@ -472,7 +474,7 @@ def ping(name: str) -> bool:
     """Whether the standby `name` answers (for scripts and tests that start one and wait for it)."""
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(5)
+            sock.settimeout(_HANDSHAKE_SECS)  # it may still be importing
             sock.connect(_address(name))
             _send(sock, {"ping": True})
             return bool(_receive(sock).get("ready"))
@@ -505,14 +507,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve_then_run(name: str, command: list[str]) -> int:
-    """Start the standby as a process of its own (its command line names no run), wait until it serves,
-    then become the launcher (exec): the standby's parent is then the launcher, and it ends with it."""
+    """Start the standby as a process of its own (its command line names no run), wait until its socket is
+    bound (its imports go on beside the launcher's start-up; ranks that come before they end wait for
+    them), then become the launcher (exec): the standby's parent is then the launcher."""
     ready_r, ready_w = os.pipe()
     subprocess.Popen([sys.executable, "-m", "megatron_resil.standby", "--name", name,
                       "--ready-fd", str(ready_w)], pass_fds=(ready_w,))
     os.close(ready_w)
     with os.fdopen(ready_r, "rb") as ready:
-        started = ready.read(1) == b"1"  # EOF without it: the standby could not start (its line says why)
+        started = ready.read(1) == b"1"  # EOF without it: the standby could not bind (its line says why)
     env = dict(os.environ)
     if started:
         env[ENV] = name
