@@ -506,13 +506,29 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def ranks_environment(command: list[str], env: dict[str, str] | None = None) -> dict[str, str]:
+    """The import-time environment the launcher `command` gives its ranks, for its standby: torchrun and
+    ft_launcher set OMP_NUM_THREADS=1 for more than one rank per node when it is not set."""
+    env = dict(os.environ if env is None else env)
+    nproc = None
+    for i, arg in enumerate(command):
+        for flag in ("--nproc-per-node", "--nproc_per_node"):
+            if arg == flag and i + 1 < len(command):
+                nproc = command[i + 1]
+            elif arg.startswith(flag + "="):
+                nproc = arg.split("=", 1)[1]
+    if nproc is not None and "OMP_NUM_THREADS" not in env and not (nproc.isdigit() and int(nproc) <= 1):
+        env["OMP_NUM_THREADS"] = "1"  # "gpu", "auto": more than one where it matters; one: a mismatch, said
+    return env
+
+
 def _serve_then_run(name: str, command: list[str]) -> int:
     """Start the standby as a process of its own (its command line names no run), wait until its socket is
     bound (its imports go on beside the launcher's start-up; ranks that come before they end wait for
     them), then become the launcher (exec): the standby's parent is then the launcher."""
     ready_r, ready_w = os.pipe()
     subprocess.Popen([sys.executable, "-m", "megatron_resil.standby", "--name", name,
-                      "--ready-fd", str(ready_w)], pass_fds=(ready_w,))
+                      "--ready-fd", str(ready_w)], pass_fds=(ready_w,), env=ranks_environment(command))
     os.close(ready_w)
     with os.fdopen(ready_r, "rb") as ready:
         started = ready.read(1) == b"1"  # EOF without it: the standby could not bind (its line says why)

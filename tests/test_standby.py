@@ -155,6 +155,18 @@ def test_a_rank_with_another_import_environment_imports_for_itself(tmp_path, ses
     assert "iteration        4/" in out.stdout
 
 
+@pytest.mark.parametrize("launcher_args,env,expected", [
+    (["--nproc-per-node", "4"], {}, "1"),  # torchrun and ft_launcher set it for their ranks
+    (["--nproc_per_node=2"], {}, "1"),
+    (["--nproc-per-node", "1"], {}, None),
+    (["--nproc-per-node", "4"], {"OMP_NUM_THREADS": "8"}, "8"),  # a value the user set is kept
+    ([], {}, None),
+])
+def test_a_launchers_standby_gets_the_thread_count_its_ranks_get(launcher_args, env, expected):
+    command = ["python", "-m", "torch.distributed.run", *launcher_args, "pretrain.py"]
+    assert standby.ranks_environment(command, env).get("OMP_NUM_THREADS") == expected
+
+
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to become another user")
 def test_the_standby_serves_its_own_user_only(session_standby):
     name = session_standby
