@@ -2,6 +2,7 @@
 
 import atexit
 import os
+import signal
 import sys
 import threading
 
@@ -40,7 +41,10 @@ def main() -> int:
 def exit_without_teardown(code: int) -> None:
     """Exit as Python would, minus the interpreter's teardown of torch and megatron-core: about a second
     per rank that decides nothing (every file we write is closed by then, the event log and exit record
-    included). Non-daemon threads are joined and atexit handlers run first, as at a normal exit."""
+    included). Non-daemon threads are joined and atexit handlers run first, as at a normal exit. The code
+    is decided: a launcher's SIGTERM, sent because a peer rank exited a moment earlier, would only replace
+    it with "killed by SIGTERM" on the launcher's report."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     for thread in threading.enumerate():
         if thread is not threading.current_thread() and not thread.daemon:
             thread.join()

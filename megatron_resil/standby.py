@@ -8,7 +8,10 @@ and standard streams to the standby, which forks a worker that runs pretrain.py 
 itself, our patches and everything after are imported and decided in the worker as in any rank.
 
 The process the launcher started (the client) stays, and is the rank to everyone outside:
-- a signal it can catch (SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, SIGCONT) is passed on;
+- a signal it can catch (SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, SIGCONT) is handled as the
+  worker handles it, which the client reads from /proc every 10 ms: passed on where the worker catches it,
+  ignored where it ignores it, and where the worker has the default the client dies of it (and so the
+  worker: see below), as the rank itself would;
 - SIGSTOP and SIGKILL cannot be caught: the standby watches each client and stops, continues or kills
   its worker when the client is stopped, continued or gone (a pidfd for death, /proc every 20 ms for
   stops), so a launcher's or a test's kill of "the rank" keeps its meaning;
@@ -52,7 +55,7 @@ _IMPORT_ENV_PREFIXES = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "G
 _NOT_IMPORT_ENV = ("TORCHELASTIC_", "TORCH_NCCL_")
 _TICK = 0.02  # seconds between checks of the clients' stopped state
 _HANDSHAKE_SECS = 30.0
-_FOLLOW_SECS = 0.05  # seconds between a client's looks at how its worker handles signals
+_FOLLOW_SECS = 0.01  # seconds between a client's looks at how its worker handles signals (0.2% of a core)
 _HEADER = struct.Struct("!I")
 
 _client: int | None = None  # in a worker: the pid of the process the launcher started
