@@ -167,6 +167,17 @@ def test_a_launchers_standby_gets_the_thread_count_its_ranks_get(launcher_args, 
     assert standby.ranks_environment(command, env).get("OMP_NUM_THREADS") == expected
 
 
+def test_what_a_launcher_sets_for_each_rank_is_not_import_time_environment(monkeypatch):
+    """A rank under ft_launcher (NVRx 0.7) or torchrun has these; the standby, started beside them, not."""
+    before = standby.fingerprint()
+    for name, value in {"TORCHELASTIC_RUN_ID": "x", "TORCH_ELASTIC_WORKER_IDENTICAL": "1",
+                        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_WORKER_SERVER_SOCKET": "/s"}.items():
+        monkeypatch.setenv(name, value)
+    assert standby.fingerprint() == before
+    monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", "error")  # read when torch is imported
+    assert standby.fingerprint() != before
+
+
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to become another user")
 def test_the_standby_serves_its_own_user_only(session_standby):
     name = session_standby
