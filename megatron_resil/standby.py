@@ -62,7 +62,6 @@ _FOLLOW_SECS = 0.01  # seconds between a client's looks at how its worker handle
 _HEADER = struct.Struct("!I")
 
 _client: int | None = None  # in a worker: the pid of the process the launcher started
-_client_parent: int | None = None  # ... and its parent when it handed over (the launcher)
 
 
 # ---- what every rank asks ------------------------------------------------------------------------------
@@ -80,12 +79,8 @@ def launcher_pid() -> int:
     """The parent of the process the launcher started (0 once that process is gone)."""
     if _client is None:
         return os.getppid()
-    try:
-        with open(f"/proc/{_client}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0
-    return 0 if fields[0] in ("Z", "X") else int(fields[1])
+    fields = _stat(_client)
+    return 0 if fields is None or fields[0] in ("Z", "X") else int(fields[1])
 
 
 # ---- the client: pretrain.py's first lines --------------------------------------------------------------
@@ -110,7 +105,7 @@ def hand_over() -> None:
     from megatron_resil import restart_phases
 
     request = {"argv": sys.argv, "env": dict(os.environ), "cwd": os.getcwd(), "path": sys.path,
-               "umask": umask, "pid": os.getpid(), "ppid": os.getppid(), "fds": fds,
+               "umask": umask, "pid": os.getpid(), "fds": fds,
                "streams": _streams(), "marks": restart_phases.process_marks(), "fingerprint": fingerprint()}
     try:
         sock.settimeout(_HANDSHAKE_SECS)  # a stopped or stuck standby: import here instead (a worker it
@@ -397,7 +392,8 @@ def _tend(served: dict[int, _Served]) -> None:
             s.close()
             del served[worker]
             continue
-        state = _state(s.client)
+        fields = _stat(s.client)
+        state = fields[0] if fields else None
         if state is None or state in "ZX":
             if not s.killed:
                 _signal(worker, signal.SIGKILL)
@@ -407,10 +403,11 @@ def _tend(served: dict[int, _Served]) -> None:
             _signal(worker, signal.SIGSTOP if s.stopped else signal.SIGCONT)
 
 
-def _state(pid: int) -> str | None:
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state, parent, ...); None once it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
+            return f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
 
@@ -424,7 +421,7 @@ def _signal(pid: int, signum: int) -> None:
 
 def _become_worker(listener, conn, served, request: dict, fds: list[int]) -> None:
     """In the fork: become the client's rank, then run pretrain.py as its __main__. Never returns."""
-    global _client, _client_parent
+    global _client
     code = 1
     try:
         listener.close()
@@ -447,7 +444,7 @@ def _become_worker(listener, conn, served, request: dict, fds: list[int]) -> Non
         _set_streams(request.get("streams") or {})
         sys.argv[:] = request["argv"]
         sys.path[:] = request["path"]
-        _client, _client_parent = int(request["pid"]), int(request["ppid"])
+        _client = int(request["pid"])
         from megatron_resil import restart_phases
 
         restart_phases.adopt_process_marks(request.get("marks") or {})

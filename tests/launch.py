@@ -72,14 +72,33 @@ def processes_named(standby: str) -> list[int]:
     for entry in os.listdir("/proc"):
         try:
             command = Path(f"/proc/{entry}/cmdline").read_bytes() if entry.isdigit() else b""
-            if needle not in command:
+            if needle not in command or not alive(int(entry)):
                 continue
-            state, parent = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[:2]
-            if state != "Z" and Path(f"/proc/{parent}/cmdline").read_bytes() != command:
+            if Path(f"/proc/{proc_stat(int(entry))[1]}/cmdline").read_bytes() != command:
                 found.append(int(entry))
-        except (OSError, IndexError, ValueError):
+        except (OSError, TypeError):
             continue
     return found
+
+
+def proc_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state, parent, ...); None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid`."""
+    return [int(entry) for entry in os.listdir("/proc")
+            if entry.isdigit() and (fields := proc_stat(int(entry))) and int(fields[1]) == pid]
+
+
+def alive(pid: int) -> bool:
+    """Running, stopped or sleeping: not gone and not a zombie."""
+    fields = proc_stat(pid)
+    return fields is not None and fields[0] not in ("Z", "X")
 
 
 def ckpt_tool(*args) -> subprocess.CompletedProcess:

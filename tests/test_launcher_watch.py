@@ -16,19 +16,6 @@ from tests import launch
 pytestmark = pytest.mark.slow
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
 def _processes_mentioning(text: str) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():
@@ -38,14 +25,6 @@ def _processes_mentioning(text: str) -> list[int]:
         except OSError:
             continue
     return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "ft_launcher"])
@@ -63,23 +42,23 @@ def test_ranks_stop_within_seconds_of_their_launcher_dying_and_leave_no_orphan(t
         while "successfully saved checkpoint from iteration       3" not in log.read_text():
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.2)
-        children = _children(proc.pid)  # the ranks, and under ft_launcher their rank monitors
+        children = launch.children(proc.pid)  # the ranks, and under ft_launcher their rank monitors
         ranks = [pid for pid in children if b"LOCAL_RANK=" in Path(f"/proc/{pid}/environ").read_bytes()]
         assert len(ranks) == 2, children
         os.kill(proc.pid, signal.SIGKILL)  # the launcher alone, as an OOM killer would
         killed_at = time.monotonic()
-        while any(_alive(pid) for pid in children):
-            alive = [pid for pid in children if _alive(pid)]
+        while any(launch.alive(pid) for pid in children):
+            alive = [pid for pid in children if launch.alive(pid)]
             kinds = {pid: "rank" if pid in ranks else Path(f"/proc/{pid}/cmdline").read_bytes()[:80]
                      for pid in alive}
             assert time.monotonic() - killed_at < 10, f"{kinds} still running without their launcher"
             time.sleep(0.1)
         # Nor anything else of this run: megatron-core's forked writers, caught mid-save, included.
-        while leftovers := [pid for pid in _processes_mentioning(str(save)) if _alive(pid)]:
+        while leftovers := [pid for pid in _processes_mentioning(str(save)) if launch.alive(pid)]:
             assert time.monotonic() - killed_at < 10, f"{leftovers} outlived their rank"
             time.sleep(0.1)
     finally:
-        for pid in [*_children(proc.pid), proc.pid]:
+        for pid in [*launch.children(proc.pid), proc.pid]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

@@ -33,30 +33,10 @@ def session_standby(_standby) -> str:
     return _standby
 
 
-def _stat(pid: int) -> list[str] | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and (fields := _stat(int(entry.name))) and int(fields[1]) == pid:
-            found.append(int(entry.name))
-    return found
-
-
 def _standby_pid(name: str) -> int:
     found = launch.processes_named(name)
     assert len(found) == 1, f"standby {name}: {found}"
     return found[0]
-
-
-def _alive(pid: int) -> bool:
-    fields = _stat(pid)
-    return fields is not None and fields[0] not in ("Z", "X")
 
 
 def _wait(condition, what: str, timeout: float = 120, proc=None, log: Path | None = None) -> None:
@@ -75,11 +55,11 @@ def _start_one_rank(tmp_path: Path, name: str | None = None):
     proc = launch.start(LONG_RUN, nproc=1, log_path=log)
     try:
         _wait(lambda: "iteration        2/" in log.read_text(), "iteration 2", proc=proc, log=log)
-        (client,) = [pid for pid in _children(proc.pid)
+        (client,) = [pid for pid in launch.children(proc.pid)
                      if b"LOCAL_RANK=" in Path(f"/proc/{pid}/environ").read_bytes()]
-        (worker,) = _children(_standby_pid(name or os.environ[standby.ENV]))
+        (worker,) = launch.children(_standby_pid(name or os.environ[standby.ENV]))
     except BaseException:  # never leave a run that trains until killed behind
-        _kill_tree(proc, *[pid for pid in _children(proc.pid)])
+        _kill_tree(proc, *[pid for pid in launch.children(proc.pid)])
         raise
     return proc, log, client, worker
 
@@ -96,17 +76,18 @@ def _kill_tree(proc, *pids: int) -> None:
 def test_stop_continue_and_kill_of_the_launchers_process_reach_the_worker(tmp_path, session_standby):
     proc, log, client, worker = _start_one_rank(tmp_path)
     try:
-        assert worker != client and _stat(worker)[1] != str(proc.pid)  # the standby's fork, not torchrun's
+        # The standby's fork, not torchrun's.
+        assert worker != client and launch.proc_stat(worker)[1] != str(proc.pid)
         os.kill(client, signal.SIGSTOP)
-        _wait(lambda: _stat(worker)[0] == "T", "the worker stopped with its client", timeout=5)
+        _wait(lambda: launch.proc_stat(worker)[0] == "T", "the worker stopped with its client", timeout=5)
         lines = log.read_text().count("iteration ")
         time.sleep(1.0)
         assert log.read_text().count("iteration ") == lines  # stopped: it trains no further
         os.kill(client, signal.SIGCONT)
-        _wait(lambda: _stat(worker)[0] != "T", "the worker continued with its client", timeout=5)
+        _wait(lambda: launch.proc_stat(worker)[0] != "T", "the worker continued with its client", timeout=5)
         _wait(lambda: log.read_text().count("iteration ") > lines, "training to go on", timeout=30)
         os.kill(client, signal.SIGKILL)  # what a launcher, a rank monitor or the OOM killer does
-        _wait(lambda: not _alive(worker), "the worker to die with its client", timeout=5)
+        _wait(lambda: not launch.alive(worker), "the worker to die with its client", timeout=5)
         assert proc.wait(timeout=60) != 0  # torchrun saw its rank killed (no restarts asked for)
     finally:
         _kill_tree(proc, client, worker)
@@ -117,7 +98,7 @@ def test_the_workers_end_is_the_clients_a_signal_as_a_signal(tmp_path, session_s
     proc, log, client, worker = _start_one_rank(tmp_path)
     try:
         os.kill(worker, signal.SIGKILL)  # a fault inside the rank itself
-        _wait(lambda: not _alive(client), "the client to end as its worker did", timeout=10)
+        _wait(lambda: not launch.alive(client), "the client to end as its worker did", timeout=10)
         assert proc.wait(timeout=60) != 0
     finally:
         _kill_tree(proc, client, worker)
@@ -131,7 +112,7 @@ def test_sigterm_is_passed_on_and_the_exit_code_comes_back(tmp_path, session_sta
                         nproc=1, log_path=log)
     try:
         _wait(lambda: "iteration        2/" in log.read_text(), "iteration 2", proc=proc, log=log)
-        (client,) = [pid for pid in _children(proc.pid)
+        (client,) = [pid for pid in launch.children(proc.pid)
                      if b"LOCAL_RANK=" in Path(f"/proc/{pid}/environ").read_bytes()]
         os.kill(client, signal.SIGTERM)  # the launcher's own SIGTERM would go to it the same way
         proc.wait(timeout=120)
@@ -208,8 +189,8 @@ def test_a_standby_that_dies_ends_its_ranks_with_one_line(tmp_path):
             else:
                 os.environ[standby.ENV] = session
         own.kill()
-        _wait(lambda: not _alive(worker) and not _alive(client), "the rank to end with its standby",
-              timeout=10)
+        _wait(lambda: not launch.alive(worker) and not launch.alive(client),
+              "the rank to end with its standby", timeout=10)
         assert proc.wait(timeout=60) != 0
         out = log.read_text()
         assert f"[resil] standby: the standby process that ran this rank (worker pid {worker}) is gone; " \
