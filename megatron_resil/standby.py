@@ -53,9 +53,11 @@ PRELOAD = ("numpy", "torch", "torch.distributed", "torch.distributed.tensor", "t
 _IMPORT_ENV_PREFIXES = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "LD_",
                         "CUDA", "NVIDIA_", "NVTE_", "LANG", "LC_")
 # ... but not what launchers set for each rank's run (torchrun, ft_launcher: NVRx 0.7 adds
-# TORCH_ELASTIC_WORKER_IDENTICAL), read when the rank runs, not when torch is imported.
+# TORCH_ELASTIC_WORKER_IDENTICAL), read when the rank runs, not when torch is imported; nor the inductor
+# cache directory, which torch itself writes into os.environ the first time anything asks for it (a parent
+# that touched inductor passes it on) and reads again at each use.
 _NOT_IMPORT_ENV = ("TORCHELASTIC_", "TORCH_ELASTIC_", "TORCH_NCCL_", "TORCH_WORKER_",
-                   "TORCH_DISABLE_SHARE_RDZV", "PYTHON_EXEC")
+                   "TORCH_DISABLE_SHARE_RDZV", "PYTHON_EXEC", "TORCHINDUCTOR_CACHE_DIR")
 _TICK = 0.02  # seconds between checks of the clients' stopped state
 _HANDSHAKE_SECS = 30.0
 _FOLLOW_SECS = 0.01  # seconds between a client's looks at how its worker handles signals (0.2% of a core)

@@ -152,7 +152,8 @@ def test_what_a_launcher_sets_for_each_rank_is_not_import_time_environment(monke
     """A rank under ft_launcher (NVRx 0.7) or torchrun has these; the standby, started beside them, not."""
     before = standby.fingerprint()
     for name, value in {"TORCHELASTIC_RUN_ID": "x", "TORCH_ELASTIC_WORKER_IDENTICAL": "1",
-                        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_WORKER_SERVER_SOCKET": "/s"}.items():
+                        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_WORKER_SERVER_SOCKET": "/s",
+                        "TORCHINDUCTOR_CACHE_DIR": "/tmp/x"}.items():
         monkeypatch.setenv(name, value)
     assert standby.fingerprint() == before
     monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", "error")  # read when torch is imported
