@@ -80,10 +80,10 @@ def test_datasets_are_sized_by_the_schedule_and_the_evaluation_batch():
     (["--step-batch-size-schedule", "0:4 40:8 50:12"], "two entries start at sample 1"),
     (["--step-batch-size-schedule", "0:4 384"], "entry '384' is not THRESHOLD:BATCH_SIZE"),
     (["--eval-global-batch-size", "6"], "--eval-global-batch-size 6 is not divisible by --micro-batch-size"),
+    (["--rampup-batch-size", "4", "4", "100"], "give the ramp as --step-batch-size-schedule"),
 ])
 def test_bad_schedules_are_refused_in_one_line(flags, named, capsys):
-    schedule = [] if "--step-batch-size-schedule" in flags or "--eval-global-batch-size" in flags \
-        else _SCHEDULE
+    schedule = _SCHEDULE if "--global-batch-size" in flags else []
     assert named in _refused(["--train-iters", "4", *schedule, *flags], capsys)
 
 

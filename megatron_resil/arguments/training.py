@@ -22,6 +22,8 @@ FLAGS = (
     Flag("--step-batch-size-schedule", None, str,
          'the global batch size by tokens consumed, instead of --global-batch-size: "0:384 200B:768" trains '
          "with 384 until 200 billion tokens (suffixes K, M, B, T), then with 768"),
+    Flag("--rampup-batch-size", None, int, nargs="+", refuse="deprecated in Megatron-LM, which now ignores "
+         "it (a fixed batch); give the ramp as --step-batch-size-schedule"),
     Flag("--eval-interval", 1000, int),
     Flag("--eval-iters", 100, int),
     Flag("--eval-global-batch-size", None, int, "evaluation's global batch size (default: "
