@@ -19,6 +19,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.utils import Split, get_blend_from_list
 
+from megatron_resil import batch_schedule
 from megatron_resil.tokenizer import Tokenizer
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
@@ -47,12 +48,13 @@ def _data_cache_path(args: argparse.Namespace) -> str | None:
 
 
 def _num_samples(args: argparse.Namespace) -> tuple[int, int]:
-    # As Megatron-LM: --train-samples as given (the last, incomplete batch's samples included).
+    # As Megatron-LM: --train-samples as given (the last, incomplete batch's samples included); with
+    # --train-iters, what those iterations consume (--step-batch-size-schedule's sizes, where given).
     train = args.train_samples if args.train_samples is not None \
-        else args.train_iters * args.global_batch_size
+        else batch_schedule.schedule(args).samples(args.train_iters)
     # Megatron-LM's count: one evaluation every eval_interval iterations plus one at the end.
     evaluations = 1 + (args.train_iters // args.eval_interval if args.eval_interval else 0)
-    valid = evaluations * args.eval_iters * args.global_batch_size
+    valid = evaluations * args.eval_iters * args.eval_global_batch_size
     return train, valid
 
 

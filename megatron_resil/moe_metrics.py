@@ -27,20 +27,20 @@ def tracked_names(args: argparse.Namespace) -> list[str]:
     return names
 
 
-def reduce_aux_losses(args: argparse.Namespace) -> dict[str, float]:
+def reduce_aux_losses(args: argparse.Namespace, num_microbatches: int) -> dict[str, float]:
     """Collective on every rank after a training step: each tracked loss averaged over the MoE layers
     and the step's microbatches, then the multi-token prediction losses; {} for a dense model without
     multi-token prediction."""
     totals: dict = {}
     if args.num_experts is not None and tracked_names(args):
-        moe_utils.track_moe_metrics(loss_scale=1.0 / args.num_microbatches, iteration=0,
+        moe_utils.track_moe_metrics(loss_scale=1.0 / num_microbatches, iteration=0,
                                     total_loss_dict=totals, force_initialize=True,
                                     track_names=tracked_names(args),
                                     num_layers=args.num_layers, moe_layer_freq=args.moe_layer_freq,
                                     mtp_num_layers=args.mtp_num_layers)
         totals = {name: totals[name] for name in tracked_names(args) if name in totals}  # Megatron's order
     if args.mtp_num_layers is not None:
-        MTPLossLoggingHelper.track_mtp_metrics(1.0 / args.num_microbatches, 0, None, None, totals)
+        MTPLossLoggingHelper.track_mtp_metrics(1.0 / num_microbatches, 0, None, None, totals)
     return {name: float(value) for name, value in totals.items()}
 
 

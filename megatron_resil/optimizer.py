@@ -70,9 +70,11 @@ def build_optimizer(chunks: list[DistributedDataParallel], args: argparse.Namesp
                     timers=None) -> MegatronOptimizer:
     """megatron-core's optimizer for the chunks, and the schedules' hooks set as Megatron-LM sets them;
     `timers`: megatron-core's Timers that time its steps (--timing-log-level), or None."""
-    optimizer = get_megatron_optimizer(optimizer_config(args, timers), chunks,
-                                       use_gloo_process_groups=args.use_gloo_process_groups)
     config = get_model_config(chunks[0])
+    optimizer_settings = optimizer_config(args, timers)
+    optimizer = get_megatron_optimizer(optimizer_settings, chunks,
+                                       **_mup_overrides(optimizer_settings, config),
+                                       use_gloo_process_groups=args.use_gloo_process_groups)
     one_or_list = (lambda fns: fns[0]) if len(chunks) == 1 else list
     config.no_sync_func = one_or_list([chunk.no_sync for chunk in chunks])
     if args.overlap_grad_reduce:
@@ -82,6 +84,20 @@ def build_optimizer(chunks: list[DistributedDataParallel], args: argparse.Namesp
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     return optimizer
+
+
+def _mup_overrides(settings: OptimizerConfig, model_config) -> dict:
+    """Under --use-mup, as Megatron-LM's setup_model_and_optimizer: megatron-core's standard parameter groups
+    (no weight decay on biases and norms, --decoupled-lr) plus its MuP groups, whose learning rates (and
+    Adam's epsilon) are scaled by the width multiplier. megatron-core 0.19 has them; the flag check
+    refused --use-mup on a megatron-core without."""
+    if not getattr(model_config, "use_mup", False):
+        return {}
+    from megatron.core.optimizer import get_mup_config_overrides, get_standard_config_overrides
+
+    return {"config_overrides": {**get_standard_config_overrides(settings),
+                                 **get_mup_config_overrides(settings, model_config.mup_width_mult,
+                                                            settings.optimizer)}}
 
 
 def before_grad_finalize(chunks: list[DistributedDataParallel], callback: Callable[[], None]) -> None:
@@ -115,7 +131,10 @@ def params_in_sync(chunks: list[DistributedDataParallel], args: argparse.Namespa
 
 
 def learning_rate(optimizer: MegatronOptimizer) -> float:
-    return optimizer.param_groups[0]["lr"]
+    """The learning rate Megatron-LM logs: the first group on the default schedule (not one --decoupled-lr
+    or MuP scales), where megatron-core marks them."""
+    groups = optimizer.param_groups
+    return next((group["lr"] for group in groups if group.get("default_config")), groups[0]["lr"])
 
 
 def schedule_steps(args: argparse.Namespace) -> dict[str, float | None]:

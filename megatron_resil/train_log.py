@@ -172,6 +172,7 @@ class TrainLogger:
         self.skipped_in_interval = 0  # steps the fp16 loss scaler skipped since the last log line
         self.interval_start = time.perf_counter()
         self.iterations_in_interval = 0
+        self.samples_in_interval = 0
         self.writers = _Writers(args)
         self.memory = args.log_memory_to_tensorboard and torch.cuda.is_available()
         self.timer_names = [name for level in (1, 2) if args.timing_log_level >= level
@@ -181,12 +182,14 @@ class TrainLogger:
         """Time spent in eval or checkpointing is not charged to training iterations."""
         self.interval_start = time.perf_counter()
         self.iterations_in_interval = 0
+        self.samples_in_interval = 0
 
     def training_step(self, iteration: int, consumed_samples: int, lr: float, report) -> None:
         """`report`: training.StepReport (loss, grad norm, auxiliary losses, loss scale, zeros in the
-        gradients, weights' norm)."""
-        args, loss, grad_norm = self.args, report.loss, report.grad_norm
+        gradients, weights' norm, the step's global batch size)."""
+        args, loss, grad_norm, batch_size = self.args, report.loss, report.grad_norm, report.global_batch_size
         self.iterations_in_interval += 1
+        self.samples_in_interval += batch_size
         self.skipped_in_interval += 0 if report.updated else 1
         if iteration % args.tensorboard_log_interval == 0:
             self._scalars(iteration, consumed_samples, lr, report)
@@ -194,7 +197,7 @@ class TrainLogger:
             return
         elapsed = time.perf_counter() - self.interval_start
         per_iteration = elapsed / max(self.iterations_in_interval, 1)
-        tokens = args.global_batch_size * args.seq_length * self.iterations_in_interval
+        tokens = self.samples_in_interval * args.seq_length
         tokens_per_s = tokens / max(elapsed, 1e-9)
         line = (f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}]"
                 f" iteration {iteration:8d}/{args.train_iters:8d} |"
@@ -203,13 +206,13 @@ class TrainLogger:
         if args.log_timers_to_tensorboard:
             self.writers.scalar("iteration-time", per_iteration, iteration)
         if args.log_throughput:
-            throughput = floating_point_operations(args, args.global_batch_size) / (
+            throughput = floating_point_operations(args, batch_size) / (
                 max(per_iteration, 1e-9) * 10**12 * args.world_size)
             line += f" throughput per GPU (TFLOP/s/GPU): {throughput:.1f} |"
             if args.log_timers_to_tensorboard:
                 self.writers.scalar("throughput", throughput, iteration)
         line += (f" learning rate: {lr:.6E} |"
-                 f" global batch size: {args.global_batch_size:5d} |"
+                 f" global batch size: {batch_size:5d} |"
                  f" lm loss: {loss:.6E} |"
                  + "".join(f" {name}: {value:.6E} |" for name, value in report.moe_losses.items())
                  + f" loss scale: {report.loss_scale:.1f} |"
@@ -232,7 +235,7 @@ class TrainLogger:
         """Megatron-LM's TensorBoard scalars of a step, under its names."""
         args, write = self.args, self.writers.scalar
         write("learning-rate", lr, iteration, samples)
-        write("batch-size", args.global_batch_size, iteration, samples)
+        write("batch-size", report.global_batch_size, iteration, samples)
         write("lm loss", report.loss, iteration, samples)
         for name, value in report.moe_losses.items():
             write(name, value, iteration)

@@ -19,6 +19,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_batch_on_this_cp_rank, get_model_config
 
 from megatron_resil import (
+    batch_schedule,
     events,
     exit_codes,
     gpu_features,
@@ -184,7 +185,9 @@ def train(args, model, optimizer, scheduler, checkpoints, progress: TrainProgres
         with params_in_sync(model, args):
             stop = weight_hashes.check(model, progress.iteration)  # replicas apart: a stop, nothing saved
     graphs, first_iteration = gpu_features.GraphCapture(args, model, optimizer), progress.iteration
+    batch_size = batch_schedule.global_batch_size(args, progress.consumed_train_samples)
     while stop is None and progress.iteration < args.train_iters:
+        batch_size = _batch_size_change(args, batch_size, progress, checkpoints, ft)
         graphs.before_iteration(progress.iteration - first_iteration)
         with ft.step(), signal_handler.stepping():  # an injected hang or slowness counts as the iteration's
             stragglers.iteration_started()  # this rank's own work starts here, injected slowness included
@@ -197,8 +200,8 @@ def train(args, model, optimizer, scheduler, checkpoints, progress: TrainProgres
                 break
             continue
         progress.iteration += 1
-        progress.consumed_train_samples += args.global_batch_size
-        progress.floating_point_operations_so_far += floating_point_operations(args, args.global_batch_size)
+        progress.consumed_train_samples += report.global_batch_size
+        progress.floating_point_operations_so_far += floating_point_operations(args, report.global_batch_size)
         restart_phases.iteration_taken()
         logger.training_step(progress.iteration, progress.consumed_train_samples, learning_rate(optimizer),
                              report)
@@ -233,6 +236,21 @@ def train(args, model, optimizer, scheduler, checkpoints, progress: TrainProgres
         events.record("finished", iteration=progress.iteration, exit_code=exit_codes.FINISHED)
         return exit_codes.FINISHED
     return stop.exit_code
+
+
+def _batch_size_change(args, before: int, progress: TrainProgress, checkpoints: CheckpointManager,
+                       ft: FaultTolerance) -> int:
+    """The global batch size of the next step (--step-batch-size-schedule). Where it changes, Megatron-LM
+    saves a checkpoint first (with --save): the last one with the old number of microbatches."""
+    batch_size = batch_schedule.global_batch_size(args, progress.consumed_train_samples)
+    if batch_size != before:
+        events.print_rank_0(f"global batch size {before} -> {batch_size} at {progress.consumed_train_samples}"
+                            " consumed samples (--step-batch-size-schedule): "
+                            f"{batch_schedule.num_microbatches(args, batch_size)} microbatches per step")
+    if batch_size > before:  # not after a fall back to an earlier, smaller step of the schedule
+        with signal_handler.waiting():
+            ft.checkpointing(partial(checkpoints.save, final=False), progress, final=True)
+    return batch_size
 
 
 def _housekeeping(args, model, iteration: int) -> rerun.RerunStop | None:
@@ -277,16 +295,17 @@ class StepReport:
 
     def __init__(self, loss: float, grad_norm: float, updated: bool = True, loss_scale: float = 1.0,
                  moe_losses: dict[str, float] | None = None, num_zeros: float | None = None,
-                 params_norm: float | None = None) -> None:
+                 params_norm: float | None = None, global_batch_size: int = 0) -> None:
         self.loss, self.grad_norm, self.updated, self.loss_scale = loss, grad_norm, updated, loss_scale
+        self.global_batch_size = global_batch_size  # the samples the step consumed
         self.moe_losses = moe_losses or {}
         self.num_zeros, self.params_norm = num_zeros, params_norm
 
 
-def _microbatches(args) -> list:
+def _microbatches(args, count: int) -> list:
     """One iterator of microbatch numbers per model chunk: a batch is fetched by number (a pure function
     of consumed samples), so a replayed step or a resumed job reads the same data."""
-    return [iter(range(args.num_microbatches)) for _ in range(args.virtual_pipeline_model_parallel_size or 1)]
+    return [iter(range(count)) for _ in range(args.virtual_pipeline_model_parallel_size or 1)]
 
 
 def _forward_step(args, dataset, consumed: int, on_loss, microbatches, chunk):
@@ -330,11 +349,14 @@ def _reported_loss(reports: list[dict]) -> float:
     return float(total[0] / total[1].clamp(min=1.0))
 
 
-def _run_schedule(args, model, dataset, consumed: int, on_loss, forward_only: bool) -> list[dict]:
+def _run_schedule(args, model, dataset, consumed: int, on_loss, forward_only: bool,
+                  batch_size: int) -> list[dict]:
+    """megatron-core's pipeline schedule over the global batch of `batch_size` samples at `consumed`."""
+    count = batch_schedule.num_microbatches(args, batch_size)
     return get_forward_backward_func()(
         forward_step_func=partial(_forward_step, args, dataset, consumed, on_loss),
-        data_iterator=_microbatches(args) if len(model) > 1 else _microbatches(args)[0],
-        model=model, num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+        data_iterator=_microbatches(args, count) if len(model) > 1 else _microbatches(args, count)[0],
+        model=model, num_microbatches=count, seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size, forward_only=forward_only)
 
 
@@ -352,6 +374,7 @@ def train_step(args, model, optimizer, scheduler, dataset, progress: TrainProgre
         return loss
 
     timers = get_model_config(model[0]).timers  # --timing-log-level 1 and 2 only
+    batch_size = batch_schedule.global_batch_size(args, progress.consumed_train_samples)
     for chunk in model:
         chunk.train()
     while step.runs():  # a second pass replays the step: same batches (consumed samples), same RNG
@@ -360,7 +383,7 @@ def train_step(args, model, optimizer, scheduler, dataset, progress: TrainProgre
             chunk.ddp_config.check_for_nan_in_grad = step.grad_checks  # DDP's check before the reduction
         optimizer.zero_grad()
         reports = _run_schedule(args, model, dataset, progress.consumed_train_samples, on_loss,
-                                forward_only=False)  # megatron-core times it ("forward-backward")
+                                forward_only=False, batch_size=batch_size)  # timed: "forward-backward"
     if (stop := step.verdict()) is not None:
         return None, stop
     if timers is not None:
@@ -369,12 +392,12 @@ def train_step(args, model, optimizer, scheduler, dataset, progress: TrainProgre
     if timers is not None:
         timers("optimizer").stop()
     if updated:
-        scheduler.step(increment=args.global_batch_size)
-    moe_losses = moe_metrics.reduce_aux_losses(args)
+        scheduler.step(increment=batch_size)
+    moe_losses = moe_metrics.reduce_aux_losses(args, batch_schedule.num_microbatches(args, batch_size))
     params_norm = params_l2_norm(model, args.bf16) if args.log_params_norm else None
     return StepReport(_reported_loss(reports), float("nan") if grad_norm is None else float(grad_norm),
                       updated, float(optimizer.get_loss_scale()), moe_losses,
-                      num_zeros if args.log_num_zeros_in_grad else None, params_norm), None
+                      num_zeros if args.log_num_zeros_in_grad else None, params_norm, batch_size), None
 
 
 @torch.no_grad()
@@ -385,8 +408,8 @@ def evaluate(args, model, dataset, progress: TrainProgress) -> float:
     with params_in_sync(model, args):
         for _ in range(args.eval_iters):
             reports += _run_schedule(args, model, dataset, progress.consumed_valid_samples, lambda loss: loss,
-                                     forward_only=True)
-            progress.consumed_valid_samples += args.global_batch_size
+                                     forward_only=True, batch_size=args.eval_global_batch_size)
+            progress.consumed_valid_samples += args.eval_global_batch_size
     moe_metrics.clear()  # evaluation's router losses are not training's
     for chunk in model:
         chunk.train()

@@ -38,6 +38,7 @@ def preprocess(tmp_path: Path, texts: list[str] = TEXTS, name: str = "corpus", *
 def data_args(tmp_path: Path, **overrides) -> argparse.Namespace:
     args = dict(tokenizer_type="ByteTokenizer", vocab_size=None, seq_length=16, seed=1234,
                 split="80,20,0", train_iters=5, train_samples=None, global_batch_size=4, eval_interval=2,
+                step_batch_size_schedule=None, eval_global_batch_size=4,
                 eval_iters=1, data_cache_path=None, save=str(tmp_path / "ckpt"), mock_data=False,
                 data_path=None)
     args.update(overrides)

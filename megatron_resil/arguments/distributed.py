@@ -6,6 +6,7 @@ import argparse
 import math
 import re
 
+from megatron_resil import batch_schedule
 from megatron_resil.arguments import training
 from megatron_resil.arguments.device import cuda_available
 from megatron_resil.arguments.errors import ArgumentError
@@ -134,18 +135,21 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
 def _validate_interleaved_microbatches(args: argparse.Namespace) -> None:
     """megatron-core's interleaved schedule runs the microbatches in groups of
     --microbatch-group-size-per-virtual-pipeline-stage (default: PP): a group is PP to M microbatches long,
-    and the last one is whole or at least PP long."""
-    pp, microbatches = args.pipeline_model_parallel_size, args.num_microbatches
+    and the last one is whole or at least PP long. With --step-batch-size-schedule, for each of its sizes."""
+    pp = args.pipeline_model_parallel_size
     group = args.microbatch_group_size_per_vp_stage or pp
     named = "--microbatch-group-size-per-virtual-pipeline-stage" if args.microbatch_group_size_per_vp_stage \
         else "--pipeline-model-parallel-size"
-    if not pp <= group <= microbatches or 0 < microbatches % group < pp:
-        raise ArgumentError(
-            f"the interleaved pipeline schedule runs the microbatches ({microbatches} = "
-            f"--global-batch-size / "
-            f"(--micro-batch-size x data-parallel size)) in groups of {named} {group}: need "
-            f"--pipeline-model-parallel-size {pp} <= {group} <= {microbatches}, and a last group of "
-            f"{group} or at least {pp}")
+    sized_by = "--step-batch-size-schedule's batch size" if args.step_batch_size_schedule is not None \
+        else "--global-batch-size"
+    for _, batch in batch_schedule.schedule(args).steps:
+        microbatches = batch_schedule.num_microbatches(args, batch)
+        if not pp <= group <= microbatches or 0 < microbatches % group < pp:
+            raise ArgumentError(
+                f"the interleaved pipeline schedule runs the microbatches ({microbatches} = {sized_by} "
+                f"{batch} / (--micro-batch-size x data-parallel size)) in groups of {named} {group}: need "
+                f"--pipeline-model-parallel-size {pp} <= {group} <= {microbatches}, and a last group of "
+                f"{group} or at least {pp}")
 
 
 def _validate_pipeline(args: argparse.Namespace) -> None:

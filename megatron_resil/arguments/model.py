@@ -118,9 +118,23 @@ FLAGS = (
         "--dsa-indexer-n-heads", "--dsa-indexer-head-dim", "--dsa-indexer-topk")),
     Flag("--dsa-indexer-loss-coeff", None, float, refuse=NOT_HERE),
     Flag("--attention-output-gate", to=TC, help="a sigmoid gate on the attention output"),
-    Flag("--use-mup", refuse=NOT_HERE),
-    Flag("--mup-base-hidden-size", None, int, refuse=NOT_HERE),
+    # MuP (Maximal Update Parameterization), megatron-core 0.19's: its TransformerConfig scales the
+    # initialization, the attention and the logits; optimizer.py scales the learning rates and Adam's epsilon.
+    Flag("--use-mup", to=TC, help="MuP: initialization, attention, logits, learning rates and Adam's epsilon "
+                                  "scaled by the width multiplier (hidden size / --mup-base-hidden-size)"),
+    Flag("--mup-base-hidden-size", None, int, "MuP's base width (default: --hidden-size, multiplier 1)",
+         to=TC),
+    Flag("--mup-width-mult", 1.0, float, "replaced by hidden size / --mup-base-hidden-size under --use-mup "
+                                         "(as in Megatron-LM)", to=TC),
+    Flag("--mup-embedding-mult", 1.0, float, "MuP: multiplier of the embeddings' output", to=TC),
+    Flag("--mup-output-mult", 1.0, float, "MuP: multiplier of the logits (1.0: 1 / width multiplier)", to=TC),
+    Flag("--mup-base-head-dim", None, float, "MuP: attention scale sqrt(this) / kv-channels ** "
+         "--mup-attn-scale-power (default: 1 / kv-channels ** power)", to=TC),
+    Flag("--mup-attn-scale-power", 1.0, float, "MuP: power of kv-channels in the attention scale (0.5: "
+                                               "standard)", to=TC),
 )
+MUP_FLAGS = ("--mup-base-hidden-size", "--mup-width-mult", "--mup-embedding-mult", "--mup-output-mult",
+             "--mup-base-head-dim", "--mup-attn-scale-power")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -184,6 +198,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
                             "megatron-core's local attention cannot run it")
     _validate_attention_backend(args)
     _validate_recompute(args)
+    _validate_mup(args)
     if args.deterministic_mode and args.cross_entropy_loss_fusion:
         raise ArgumentError("--deterministic-mode needs --cross-entropy-loss-fusion off (as in Megatron-LM)")
     if args.cross_entropy_loss_fusion and args.cross_entropy_fusion_impl == "te":
@@ -195,6 +210,16 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         if args.position_embedding_type not in ("rope", "none"):
             raise ArgumentError(f"--mtp-num-layers needs --position-embedding-type rope or none, not "
                                 f"{args.position_embedding_type} (as in Megatron-LM)")
+
+
+def _validate_mup(args: argparse.Namespace) -> None:
+    if args.mup_base_hidden_size is not None and args.mup_base_hidden_size <= 0:
+        raise ArgumentError("--mup-base-hidden-size must be positive")
+    if not args.use_mup:
+        given = [flag for flag in FLAGS if flag.name in MUP_FLAGS and flag.is_set(args)]
+        if given:
+            warn(f"{', '.join(flag.name for flag in given)} changes nothing without --use-mup (as in "
+                 "Megatron-LM)")
 
 
 def _validate_attention_backend(args: argparse.Namespace) -> None:

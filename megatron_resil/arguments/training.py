@@ -4,7 +4,9 @@ names and defaults)."""
 from __future__ import annotations
 
 import argparse
+import itertools
 
+from megatron_resil import batch_schedule
 from megatron_resil.arguments.errors import ArgumentError
 from megatron_resil.arguments.flag_table import Flag, add_flags
 
@@ -17,12 +19,15 @@ FLAGS = (
     Flag("--train-iters", None, int, "iterations to train (or give --train-samples)"),
     Flag("--train-samples", None, int, "samples to train, instead of --train-iters: the run takes "
          "train-samples // global-batch-size iterations and counts its schedule in samples"),
-    Flag("--step-batch-size-schedule", None, str, refuse="batch-size schedules are not supported yet; "
-         "train with a fixed --global-batch-size"),
+    Flag("--step-batch-size-schedule", None, str,
+         'the global batch size by tokens consumed, instead of --global-batch-size: "0:384 200B:768" trains '
+         "with 384 until 200 billion tokens (suffixes K, M, B, T), then with 768"),
+    Flag("--rampup-batch-size", None, int, nargs="+", refuse="deprecated in Megatron-LM, which now ignores "
+         "it (a fixed batch); give the ramp as --step-batch-size-schedule"),
     Flag("--eval-interval", 1000, int),
     Flag("--eval-iters", 100, int),
-    Flag("--eval-global-batch-size", None, int, refuse="not supported yet: evaluation uses "
-         "--global-batch-size"),
+    Flag("--eval-global-batch-size", None, int, "evaluation's global batch size (default: "
+         "--global-batch-size, which is micro batch x data-parallel size with --step-batch-size-schedule)"),
     Flag("--exit-interval", None, int, "save and exit when the iteration number is a multiple of this"),
     Flag("--exit-duration-in-mins", None, float, "save and exit after this many minutes of training"),
     Flag("--seed", 1234, int),
@@ -161,17 +166,50 @@ def _validate_schedule(args: argparse.Namespace) -> None:
 
 
 def validate_batch_sizes(args: argparse.Namespace, data_parallel_size: int) -> None:
-    """Called by distributed.validate once the data-parallel size is known."""
+    """Called by distributed.validate once the data-parallel size is known. As Megatron-LM: with
+    --step-batch-size-schedule, --global-batch-size keeps its default (micro batch size x data-parallel size,
+    which the iteration-counted schedule flags and evaluation use); the steps take the schedule's sizes."""
     per_step = args.micro_batch_size * data_parallel_size
+    stepped = args.step_batch_size_schedule is not None
+    if stepped and args.global_batch_size is not None:
+        raise ArgumentError("give --step-batch-size-schedule or --global-batch-size, not both (as in "
+                            "Megatron-LM)")
     if args.global_batch_size is None:
         args.global_batch_size = per_step
     if args.global_batch_size <= 0 or args.global_batch_size % per_step:
         raise ArgumentError(
             f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
             f"{args.micro_batch_size} x data-parallel size {data_parallel_size}")
-    args.num_microbatches = args.global_batch_size // per_step
-    if args.train_samples is not None:  # Megatron-LM's update_train_iters, for a fixed batch size
-        args.train_iters = args.train_samples // args.global_batch_size
+    if stepped:
+        _validate_step_schedule(args, per_step, data_parallel_size)
+    args.num_microbatches = batch_schedule.global_batch_size(args, 0) // per_step
+    if args.eval_global_batch_size is None:
+        args.eval_global_batch_size = args.global_batch_size
+    if args.eval_global_batch_size <= 0 or args.eval_global_batch_size % per_step:
+        raise ArgumentError(
+            f"--eval-global-batch-size {args.eval_global_batch_size} is not divisible by --micro-batch-size "
+            f"{args.micro_batch_size} x data-parallel size {data_parallel_size}")
+    if args.train_samples is not None:  # Megatron-LM's update_train_iters
+        args.train_iters = batch_schedule.schedule(args).iterations(args.train_samples) if stepped \
+            else args.train_samples // args.global_batch_size
         if args.train_iters == 0:
             raise ArgumentError(f"--train-samples {args.train_samples} is less than one global batch "
                                 f"(--global-batch-size {args.global_batch_size}): nothing to train")
+
+
+def _validate_step_schedule(args: argparse.Namespace, per_step: int, data_parallel_size: int) -> None:
+    """The schedule's format (megatron-core's rules), and what Megatron-LM asserts only when a step reaches
+    the entry: every size divides into microbatches, and the number of microbatches never decreases."""
+    shown = f"--step-batch-size-schedule {args.step_batch_size_schedule!r}"
+    try:
+        steps = batch_schedule.schedule(args).steps
+    except ValueError as err:
+        raise ArgumentError(f"{shown}: {err}") from None
+    for (_, before), (_, after) in itertools.pairwise(steps):
+        if after < before:
+            raise ArgumentError(f"{shown}: the batch size goes down from {before} to {after}; Megatron-LM "
+                                "stops there (the number of microbatches must not decrease)")
+    for _, batch in steps:
+        if batch % per_step:
+            raise ArgumentError(f"{shown}: batch size {batch} is not divisible by --micro-batch-size "
+                                f"{args.micro_batch_size} x data-parallel size {data_parallel_size}")
