@@ -109,15 +109,8 @@ FLAGS = (
     # multi-token prediction
     Flag("--mtp-num-layers", None, int, "multi-token prediction layers (DeepSeek-V3 style)", to=TC),
     Flag("--mtp-loss-scaling-factor", 0.1, float, "weight of the multi-token prediction loss", to=TC),
-    # Features of Megatron-LM's model this project does not build.
-    Flag("--experimental-attention-variant", None, str, choices=("gdn", "gdn2", "dsa", "gated_delta_net"),
-         refuse=NOT_HERE),
-    *(Flag(name, None, int, refuse=NOT_HERE) for name in (
-        "--linear-attention-freq", "--linear-conv-kernel-dim", "--linear-key-head-dim",
-        "--linear-value-head-dim", "--linear-num-key-heads", "--linear-num-value-heads",
-        "--dsa-indexer-n-heads", "--dsa-indexer-head-dim", "--dsa-indexer-topk")),
-    Flag("--dsa-indexer-loss-coeff", None, float, refuse=NOT_HERE),
     Flag("--attention-output-gate", to=TC, help="a sigmoid gate on the attention output"),
+    # Features of Megatron-LM's model this project does not build.
     Flag("--use-mup", refuse=NOT_HERE),
     Flag("--mup-base-hidden-size", None, int, refuse=NOT_HERE),
 )
