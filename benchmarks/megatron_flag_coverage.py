@@ -15,6 +15,10 @@ The world size is Megatron-LM's CI machine (8 GPUs); a config whose batch or par
 ranks is judged at the size among 1-64 where the fewest of its flags are refused (its CI job's size).
 By default the check is
 made as on a GPU host with Transformer Engine (the configs are GPU runs); --cpu checks as on this machine.
+Kernel packages a GPU host installs apart from Transformer Engine (flash-linear-attention for gated delta
+net, fast-hadamard-transform for sparse attention) are looked for as they are here: a config needing one
+that is missing is refused with a reason naming it, and a second figure counts the configs accepted whole
+if the GPU host also has them.
 
 A command line is "accepted whole" when it parses and passes every check, so pretrain.py would start
 training it. A refused one is tried again without the flag its refusal names, until it passes, to list
@@ -269,6 +273,27 @@ def device(gpu: bool):
             setattr(module, attr, original)
 
 
+@contextlib.contextmanager
+def kernel_packages_installed():
+    """Validation asks `package_available(module)` for the kernel packages a feature needs: answer that each
+    is installed, and yield the set of modules asked for (clear it between command lines)."""
+    asked: set[str] = set()
+
+    def installed(module: str) -> bool:
+        asked.add(module)
+        return True
+
+    patched = [(module, module.package_available) for name, module in list(sys.modules.items())
+               if name.startswith("megatron_resil.arguments") and hasattr(module, "package_available")]
+    for module, _ in patched:
+        module.package_available = installed
+    try:
+        yield asked
+    finally:
+        for module, original in patched:
+            module.package_available = original
+
+
 def _try(argv: list[str], world_size: int) -> str | None:
     """None when accepted, else the one line pretrain.py would print."""
     stderr = io.StringIO()
@@ -358,7 +383,9 @@ def _out_of_scope(verdict: Verdict) -> str | None:
 
 
 def report(verdicts: list[Verdict], commit: str, gpu: bool, world_size: int, top: int,
-           pending_as_built: bool) -> dict:
+           pending_as_built: bool, with_packages: dict[str, set[str]]) -> dict:
+    """`with_packages`: the command lines refused here but accepted whole if the kernel packages named
+    (module names) were installed too."""
     configs = [v for v in verdicts if not v.source.startswith("examples/")]
     examples = [v for v in verdicts if v.source.startswith("examples/")]
     # A config with several runs (MODEL_ARGS_2, ...) is accepted when all of them are.
@@ -403,6 +430,15 @@ def report(verdicts: list[Verdict], commit: str, gpu: bool, world_size: int, top
                                            for _, line in v.refused)
         known[name] = known.get(name, True) and parsed
     summary["configs_all_flags_known"] = sum(known.values())
+    whole_with_packages: dict[str, bool] = {}
+    for v in configs:
+        name = v.source.split(" (")[0]
+        whole_with_packages[name] = whole_with_packages.get(name, True) and (v.accepted
+                                                                             or v.source in with_packages)
+    packages = collections.Counter(module for v in configs if v.source in with_packages
+                                   for module in sorted(with_packages[v.source]))
+    summary["configs_accepted_whole_with_kernel_packages"] = sum(whole_with_packages.values())
+    summary["kernel_packages"] = dict(packages)
     print(f"Megatron-LM {commit}, checked as on {summary['checked_as']}")
     print(f"functional-test training configs (gpt, moe) whose every flag our parser knows (name and value): "
           f"{sum(known.values())}/{len(known)} = {100 * sum(known.values()) / max(len(known), 1):.1f}%")
@@ -411,6 +447,10 @@ def report(verdicts: list[Verdict], commit: str, gpu: bool, world_size: int, top
     left_out = "; ".join(f"{name.split('/')[-1]}: {why}" for name, why in out_of_scope.items()) or "none"
     print(f"  of those in scope ({len(out_of_scope)} left out: {left_out}): "
           f"{sum(in_scope.values())}/{len(in_scope)} = {100 * summary['share_in_scope']:.1f}%")
+    if packages:
+        needed = ", ".join(f"{module} for {n}" for module, n in packages.most_common())
+        print(f"  ... accepted whole if the GPU host also installs the kernel packages they need (module "
+              f"{needed}): {summary['configs_accepted_whole_with_kernel_packages']}/{len(by_config)}")
     for v in examples:
         state = "accepted" if v.accepted else \
             f"refused: {', '.join([*v.unknown, *(f for f, _ in v.refused)])}"
@@ -451,10 +491,20 @@ def main() -> int:
         sizes = [opts.world_size] + [n for n in (1, 2, 4, 16, 32, 64) if n != opts.world_size]
         # Paths a config names inside Megatron-LM (--tp-comm-overlap-cfg) are relative to its root, where its
         # CI runs them.
+        def best(line: CommandLine) -> Verdict:
+            return min((judge(line, n, parser) for n in sizes), key=lambda v: len(v.refused))
+
+        with_packages: dict[str, set[str]] = {}
         with device(gpu=not opts.cpu), contextlib.chdir(tree):
-            verdicts = [min((judge(line, n, parser) for n in sizes), key=lambda v: len(v.refused))
-                        for line in lines]
-        summary = report(verdicts, commit, not opts.cpu, opts.world_size, opts.top, opts.pending_as_built)
+            verdicts = [best(line) for line in lines]
+            if not opts.cpu:  # the refused ones again, as if the GPU host had every kernel package
+                with kernel_packages_installed() as asked:
+                    for line, verdict in zip(lines, verdicts, strict=True):
+                        asked.clear()
+                        if not verdict.accepted and best(line).accepted and asked:
+                            with_packages[line.source] = set(asked)
+        summary = report(verdicts, commit, not opts.cpu, opts.world_size, opts.top, opts.pending_as_built,
+                         with_packages)
         if opts.json:
             opts.json.write_text(json.dumps(summary, indent=1) + "\n")
     finally:

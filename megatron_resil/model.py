@@ -1,6 +1,7 @@
 """Builds megatron-core's GPTModel from the command line: its TransformerConfig, the layer spec (dense or
-MoE, megatron-core's local modules or Transformer Engine's), and one model chunk per pipeline stage this
-rank holds (several with virtual pipeline stages), each cast for --bf16/--fp16 as Megatron-LM does.
+MoE, megatron-core's local modules or Transformer Engine's, or an experimental attention variant's), and one
+model chunk per pipeline stage this rank holds (several with virtual pipeline stages), each cast for
+--bf16/--fp16 as Megatron-LM does.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ import torch.nn.functional as F
 from megatron.core import package_info, parallel_state
 from megatron.core.activations import squared_relu
 from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+    get_transformer_block_with_experimental_attention_variant_spec,
+)
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnBackend
@@ -183,7 +187,12 @@ def block_spec(args: argparse.Namespace, config: TransformerConfig,
                vp_stage: int | None) -> TransformerBlockSubmodules:
     """This stage's layers as Megatron-LM builds them (dense, MoE, or as --moe-layer-freq mixes them; with
     --qk-layernorm and --multi-latent-attention), from megatron-core's local modules or Transformer
-    Engine's."""
+    Engine's. An experimental attention variant (gated delta net at --linear-attention-freq, or sparse
+    attention) comes, as in Megatron-LM's gpt_builder, from megatron-core's spec for it (Transformer
+    Engine's modules only: arguments/attention_variants.py checks they are here)."""
+    if args.experimental_attention_variant is not None:
+        return get_transformer_block_with_experimental_attention_variant_spec(config=config,
+                                                                              vp_stage=vp_stage)
     use_te = args.transformer_impl == "transformer_engine"
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization=args.normalization,
                                       vp_stage=vp_stage)

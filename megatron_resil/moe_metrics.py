@@ -1,12 +1,13 @@
-"""The MoE routers' and multi-token prediction's auxiliary losses, reduced across ranks as Megatron-LM
-reduces them for its log line (`load_balancing_loss: ... |`, `mtp_1 loss: ... |`): megatron-core adds each
-layer's loss to a process-wide tracker during the forward passes; after each step every rank reduces it and
-it is cleared for the next."""
+"""The MoE routers', multi-token prediction's and sparse attention's indexer auxiliary losses, reduced across
+ranks as Megatron-LM reduces them for its log line (`load_balancing_loss: ... |`, `mtp_1 loss: ... |`,
+`indexer loss: ... |`): megatron-core adds each layer's loss to a process-wide tracker during the forward
+passes; after each step every rank reduces it and it is cleared for the next."""
 
 from __future__ import annotations
 
 import argparse
 
+from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossLoggingHelper
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
@@ -29,8 +30,8 @@ def tracked_names(args: argparse.Namespace) -> list[str]:
 
 def reduce_aux_losses(args: argparse.Namespace, num_microbatches: int) -> dict[str, float]:
     """Collective on every rank after a training step: each tracked loss averaged over the MoE layers
-    and the step's microbatches, then the multi-token prediction losses; {} for a dense model without
-    multi-token prediction."""
+    and the step's microbatches, then the multi-token prediction losses, then sparse attention's indexer
+    loss (with --dsa-indexer-loss-coeff > 0); {} for a dense model without either."""
     totals: dict = {}
     if args.num_experts is not None and tracked_names(args):
         moe_utils.track_moe_metrics(loss_scale=1.0 / num_microbatches, iteration=0,
@@ -41,9 +42,12 @@ def reduce_aux_losses(args: argparse.Namespace, num_microbatches: int) -> dict[s
         totals = {name: totals[name] for name in tracked_names(args) if name in totals}  # Megatron's order
     if args.mtp_num_layers is not None:
         MTPLossLoggingHelper.track_mtp_metrics(1.0 / num_microbatches, 0, None, None, totals)
+    if args.experimental_attention_variant == "dsa" and (args.dsa_indexer_loss_coeff or 0) > 0:
+        DSAIndexerLossLoggingHelper.track_indexer_metrics(1.0 / num_microbatches, 0, None, None, totals)
     return {name: float(value) for name, value in totals.items()}
 
 
 def clear() -> None:
     """Forget what forward passes outside training (evaluation) recorded."""
     moe_utils.clear_aux_losses_tracker()
+    DSAIndexerLossLoggingHelper.clean_loss_in_tracker()

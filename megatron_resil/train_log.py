@@ -90,7 +90,8 @@ def params_l2_norm(chunks: list, bf16: bool) -> float:
 
 def floating_point_operations(args: argparse.Namespace, batch_size: int) -> float:
     """Megatron-LM's num_floating_point_operations for one global batch (forward and backward) of the models
-    built here: dense or MoE layers, grouped-query or multi-latent attention, multi-token prediction."""
+    built here: dense or MoE layers, grouped-query or multi-latent attention (gated delta net in the layers
+    --linear-attention-freq gives it), multi-token prediction."""
     tokens = batch_size * args.seq_length
     if args.num_experts is None:
         dense_layers, moe_layers, routed, last_is_moe = args.num_layers, 0, 0, 0
@@ -121,13 +122,32 @@ def floating_point_operations(args: argparse.Namespace, batch_size: int) -> floa
         gate = query if args.attention_output_gate else 0
         attention = fwd_bwd * fma * (h * (query + key_value + gate) + query * h)
         attention_core = fwd_bwd * fma * query / 2 * 2
+    linear_layers, linear_attention = _gated_delta_net(args, layers)
+    full_layers = layers - linear_layers
     return (tokens * (fwd_bwd * fma * h * (args.ffn_hidden_size * ffn_expansion * dense_layers
                                            + moe_ffn * routed * ffn_expansion * moe_layers
                                            + shared_ffn * ffn_expansion * moe_layers)
-                      + attention * layers
+                      + attention * full_layers + linear_attention * linear_layers
                       + fwd_bwd * fma * mtp * (3 * h + 2 * h * h)
                       + fwd_bwd * fma * h * args.padded_vocab_size * (mtp + 1))
-            + batch_size * args.seq_length * args.seq_length * attention_core * layers)
+            + batch_size * args.seq_length * args.seq_length * attention_core * full_layers)
+
+
+def _gated_delta_net(args: argparse.Namespace, layers: int) -> tuple[int, float]:
+    """How many of the layers (multi-token prediction's counted, as Megatron-LM counts them) are gated delta
+    net, and the FLOPs of one per token: projections, convolution and the delta rule, no L^2 term."""
+    variant = args.experimental_attention_variant
+    if variant not in ("gdn", "gdn2", "gated_delta_net"):
+        return 0, 0.0
+    freq = args.linear_attention_freq
+    pattern = freq if isinstance(freq, list) else [0 if (i + 1) % freq == 0 else 1 for i in range(layers)]
+    qk = args.linear_key_head_dim * args.linear_num_key_heads
+    v = args.linear_value_head_dim * args.linear_num_value_heads
+    in_proj = 4 * qk + 3 * v if variant == "gdn2" else 2 * qk + 2 * v + 2 * args.linear_num_value_heads
+    per_token = (args.hidden_size * in_proj + args.linear_conv_kernel_dim * (2 * qk + v)
+                 + args.linear_num_value_heads * args.linear_value_head_dim ** 2 * 4  # KK^T, VK^T, S, SQ
+                 + args.hidden_size * v)
+    return sum(pattern), 3 * 2 * per_token
 
 
 class _Writers:

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from megatron_resil.arguments import (
+    attention_variants,
     checkpoint_args,
     checkpoint_options,
     checkpointing,
@@ -36,9 +37,9 @@ from megatron_resil.arguments.device import cuda_available
 from megatron_resil.arguments.errors import ArgumentError
 
 # Order matters only for --help readability; validation order follows dependencies.
-_GROUPS = (model, mixed_precision, moe, training, data, distributed, checkpointing, checkpoint_options,
-           checkpoint_args, signals, fault_injection, fault_tolerance, inprocess, logging_args, straggler,
-           rerun, gpu_features)
+_GROUPS = (model, attention_variants, mixed_precision, moe, training, data, distributed, checkpointing,
+           checkpoint_options, checkpoint_args, signals, fault_injection, fault_tolerance, inprocess,
+           logging_args, straggler, rerun, gpu_features)
 # Every table row of Megatron-LM's flags (flag_table.Flag), from the concerns that declare theirs in one.
 FLAGS = tuple(flag for group in _GROUPS for flag in getattr(group, "FLAGS", ()))
 

@@ -9,3 +9,11 @@ def cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def package_available(module: str) -> bool:
+    """Whether a package of GPU kernels a feature needs (flash-linear-attention's `fla`, ...) is installed:
+    found, not imported (several import Triton or CUDA at import time)."""
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None

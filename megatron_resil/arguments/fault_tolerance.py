@@ -42,7 +42,8 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         raise ArgumentError("--calc-ft-timeouts keeps the timeouts in <save>/ft_state.json: pass --save DIR")
     # --check-args-only checks a command line before it is launched (the launch scripts run it outside
     # ft_launcher, which will provide the rank monitor).
-    if args.enable_ft_package and not os.environ.get(RANK_MONITOR_SOCKET_ENV) and not getattr(args, "check_args_only", False):
+    if (args.enable_ft_package and not os.environ.get(RANK_MONITOR_SOCKET_ENV)
+            and not getattr(args, "check_args_only", False)):
         raise ArgumentError(f"--enable-ft-package needs ft_launcher's rank monitor "
                             f"({RANK_MONITOR_SOCKET_ENV} is not set): launch with ft_launcher, or drop "
                             "--enable-ft-package")

@@ -145,26 +145,49 @@ def config_kwargs(args: argparse.Namespace, flags: Iterable[Flag], to: str) -> d
 def config_fields(config: str) -> frozenset[str]:
     """The dataclass fields of a megatron-core config (its base classes' included), read from its source
     on disk rather than imported: arguments are checked before megatron-core (seconds to import) loads."""
+    return frozenset(_config_annotations(config))
+
+
+@cache
+def config_choices(config: str, field: str) -> tuple[str, ...]:
+    """The values a megatron-core config field's Literal annotation lists (e.g. the attention variants the
+    installed release knows), read from its source; () when the field is not a Literal or is absent."""
+    annotation = _config_annotations(config).get(field)
+    literals = [node for node in ast.walk(annotation) if isinstance(node, ast.Subscript)
+                and getattr(node.value, "id", getattr(node.value, "attr", None)) == "Literal"] \
+        if annotation is not None else []
+    if not literals:
+        return ()
+    values = literals[0].slice.elts if isinstance(literals[0].slice, ast.Tuple) else [literals[0].slice]
+    return tuple(v.value for v in values if isinstance(v, ast.Constant))
+
+
+@cache
+def _config_annotations(config: str) -> dict[str, ast.expr]:
+    """Each field of the config (bases included) and its type annotation, from megatron-core's source."""
     spec = importlib.util.find_spec("megatron.core")
     if spec is None or not spec.submodule_search_locations:
-        return frozenset()
+        return {}
     root = next(iter(spec.submodule_search_locations))
-    classes: dict[str, tuple[list[str], set[str]]] = {}
+    classes: dict[str, tuple[list[str], dict[str, ast.expr]]] = {}
     for relative in CONFIG_SOURCES[config]:
         with open(os.path.join(root, relative)) as source:
             tree = ast.parse(source.read())
         for node in tree.body:
             if isinstance(node, ast.ClassDef):
                 bases = [base.id for base in node.bases if isinstance(base, ast.Name)]
-                classes[node.name] = (bases, {item.target.id for item in node.body
+                classes[node.name] = (bases, {item.target.id: item.annotation for item in node.body
                                               if isinstance(item, ast.AnnAssign)
                                               and isinstance(item.target, ast.Name)})
 
-    def with_bases(name: str) -> set[str]:
-        bases, fields = classes.get(name, ([], set()))
-        return fields.union(*(with_bases(base) for base in bases))
+    def with_bases(name: str) -> dict[str, ast.expr]:
+        bases, fields = classes.get(name, ([], {}))
+        merged: dict[str, ast.expr] = {}
+        for base in bases:
+            merged.update(with_bases(base))
+        return {**merged, **fields}
 
-    return frozenset(with_bases(config))
+    return with_bases(config)
 
 
 def _core_version() -> str:

@@ -17,7 +17,6 @@ MLA = "MLATransformerConfig"
 KERNEL = "only selects a GPU kernel (same results)"
 RECOMPUTE = "only trades GPU memory for compute (same results)"
 ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
-NOT_HERE = "not supported here (see README, 'Flags of Megatron-LM that are not here')"
 
 FLAGS = (
     # network size
@@ -109,14 +108,6 @@ FLAGS = (
     # multi-token prediction
     Flag("--mtp-num-layers", None, int, "multi-token prediction layers (DeepSeek-V3 style)", to=TC),
     Flag("--mtp-loss-scaling-factor", 0.1, float, "weight of the multi-token prediction loss", to=TC),
-    # Features of Megatron-LM's model this project does not build.
-    Flag("--experimental-attention-variant", None, str, choices=("gdn", "gdn2", "dsa", "gated_delta_net"),
-         refuse=NOT_HERE),
-    *(Flag(name, None, int, refuse=NOT_HERE) for name in (
-        "--linear-attention-freq", "--linear-conv-kernel-dim", "--linear-key-head-dim",
-        "--linear-value-head-dim", "--linear-num-key-heads", "--linear-num-value-heads",
-        "--dsa-indexer-n-heads", "--dsa-indexer-head-dim", "--dsa-indexer-topk")),
-    Flag("--dsa-indexer-loss-coeff", None, float, refuse=NOT_HERE),
     Flag("--attention-output-gate", to=TC, help="a sigmoid gate on the attention output"),
     # MuP (Maximal Update Parameterization), megatron-core 0.19's: its TransformerConfig scales the
     # initialization, the attention and the logits; optimizer.py scales the learning rates and Adam's epsilon.

@@ -146,7 +146,8 @@ def load_first_verified(tiers: list[CheckpointTier], make_template: TemplateMake
         def load(tier=tier, candidate=candidate):
             restart_phases.mark("chosen")  # verified: reading it begins
             try:
-                template = make_template(candidate, tier.saved_args(candidate), tier.saved_metadata(candidate))
+                template = make_template(candidate, tier.saved_args(candidate),
+                                         tier.saved_metadata(candidate))
                 return tier.load(candidate, template), None
             # Reported collectively below, so no rank is left waiting. torch's DCP raises
             # CheckpointException, a BaseException, around the error of each rank.

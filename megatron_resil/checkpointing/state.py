@@ -235,7 +235,8 @@ def restore(loaded: dict, model: list, optimizer, scheduler, *, load_optimizer: 
     for key, chunk in zip(_model_keys(model), unwrap_model(model), strict=True):
         kept = chunk.load_state_dict(loaded[key], strict=not partial_model).missing_keys
         kept = [name for name in kept if not name.endswith("._extra_state")]  # TE's, rebuilt as it runs
-        if kept:  # the one line for every strictness mode that loads around them (log_*, return_*, ignore_all)
+        # the one line for every strictness mode that loads around them (log_*, return_*, ignore_all)
+        if kept:
             events.decision("load", f"{len(kept)} model weight(s) not in the checkpoint keep their initial "
                             f"values (--dist-ckpt-strictness): {', '.join(kept[:4])}"
                             + (f" and {len(kept) - 4} more" if len(kept) > 4 else ""), kept=kept)

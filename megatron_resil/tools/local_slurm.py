@@ -7,9 +7,10 @@ stopped by their PIDs.
 
 Everything Slurm writes (state, spool, logs, pid files) stays under DIR; the daemons listen on free
 ports, so two of these can run side by side. `--nodes N` starts N slurmd on this host (node1..nodeN,
-each with its own port and spool): enough for a multi-node job's srun, one launcher per "node". No munge: `AuthType=auth/none` with `CredType=cred/none`,
-which is only acceptable on a machine nobody else can reach. `--install` installs the Debian packages
-(`slurmctld slurmd slurm-client`, no recommends) when they are missing and this process may (root).
+each with its own port and spool): enough for a multi-node job's srun, one launcher per "node". No munge:
+`AuthType=auth/none` with `CredType=cred/none`, which is only acceptable on a machine nobody else can
+reach. `--install` installs the Debian packages (`slurmctld slurmd slurm-client`, no recommends) when
+they are missing and this process may (root).
 
 Why each setting (all measured on Slurm 22.05 here):
 - `ProctrackType=proctrack/linuxproc`, `TaskPlugin=task/none`: no cgroups in a container.
@@ -169,7 +170,8 @@ def start(directory: Path, cpus: int | None = None, nodes: int = 1, timeout: flo
                               text=True, timeout=60)
         if done.returncode != 0:
             stop(directory)
-            raise SlurmUnavailable(f"{command[0]} did not start: {(done.stderr or done.stdout).strip()[-300:]}")
+            said = (done.stderr or done.stdout).strip()[-300:]
+            raise SlurmUnavailable(f"{command[0]} did not start: {said}")
     deadline = time.monotonic() + timeout
     state = ""
     while time.monotonic() < deadline:
