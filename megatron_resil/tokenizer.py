@@ -195,10 +195,11 @@ def build_tokenizer(args: argparse.Namespace) -> Tokenizer:
         return NullTokenizer(args.vocab_size)
     if args.tokenizer_type == "ByteTokenizer":
         return ByteTokenizer()
+    special_tokens = getattr(args, "tokenizer_special_tokens", None)
     if args.tokenizer_type == "GPT2BPETokenizer":
-        return GPT2BPETokenizer(args.vocab_file, args.merge_file, args.tokenizer_special_tokens)
+        return GPT2BPETokenizer(args.vocab_file, args.merge_file, special_tokens)
     if args.tokenizer_type in SENTENCEPIECE_TYPES:
-        return SentencePieceTokenizer(args.tokenizer_model, args.tokenizer_special_tokens)
+        return SentencePieceTokenizer(args.tokenizer_model, special_tokens)
     if args.tokenizer_type == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(
             args.tokenizer_model, args.tokenizer_special_tokens, use_fast=not args.tokenizer_hf_no_use_fast,
