@@ -274,14 +274,32 @@ def device(gpu: bool):
 
 
 @contextlib.contextmanager
-def kernel_packages_installed():
-    """Validation asks `package_available(module)` for the kernel packages a feature needs: answer that each
-    is installed, and yield the set of modules asked for (clear it between command lines)."""
+def megatron_lm_packages(tree: Path) -> set[str]:
+    """The distributions Megatron-LM's pyproject.toml lists in any of its optional-dependency groups
+    (`training`: wandb; `dev`: emerging_optimizers, fast-hadamard-transform; `ssm`: flash-linear-attention,
+    ...), names normalized: what its own CI host and its users' installs have."""
+    import tomllib
+
+    project = tomllib.loads((tree / "pyproject.toml").read_text()).get("project", {})
+    groups = project.get("optional-dependencies", {})
+    return {re.split(r"[\s\[<>=!~;]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+            for requirements in groups.values() for requirement in requirements}
+
+
+# The distribution a module the start-up checks ask for comes from, where the names differ.
+MODULE_DISTRIBUTION = {"fla": "flash-linear-attention"}
+
+
+@contextlib.contextmanager
+def kernel_packages_installed(listed: set[str]):
+    """Validation asks `package_available(module)` for the packages a feature needs (kernels, wandb, ...):
+    answer that each is installed where Megatron-LM's own pyproject lists its distribution (`listed`), and
+    yield the set of modules asked for (clear it between command lines)."""
     asked: set[str] = set()
 
     def installed(module: str) -> bool:
         asked.add(module)
-        return True
+        return MODULE_DISTRIBUTION.get(module, module).lower().replace("_", "-") in listed
 
     patched = [(module, module.package_available) for name, module in list(sys.modules.items())
                if name.startswith("megatron_resil.arguments") and hasattr(module, "package_available")]
@@ -438,6 +456,10 @@ def report(verdicts: list[Verdict], commit: str, gpu: bool, world_size: int, top
     packages = collections.Counter(module for v in configs if v.source in with_packages
                                    for module in sorted(with_packages[v.source]))
     summary["configs_accepted_whole_with_kernel_packages"] = sum(whole_with_packages.values())
+    with_packages_in_scope = {name: ok for name, ok in whole_with_packages.items()
+                              if name not in out_of_scope}
+    summary["share_in_scope_with_kernel_packages"] = round(
+        sum(with_packages_in_scope.values()) / max(len(with_packages_in_scope), 1), 4)
     summary["kernel_packages"] = dict(packages)
     print(f"Megatron-LM {commit}, checked as on {summary['checked_as']}")
     print(f"functional-test training configs (gpt, moe) whose every flag our parser knows (name and value): "
@@ -449,8 +471,11 @@ def report(verdicts: list[Verdict], commit: str, gpu: bool, world_size: int, top
           f"{sum(in_scope.values())}/{len(in_scope)} = {100 * summary['share_in_scope']:.1f}%")
     if packages:
         needed = ", ".join(f"{module} for {n}" for module, n in packages.most_common())
-        print(f"  ... accepted whole if the GPU host also installs the kernel packages they need (module "
-              f"{needed}): {summary['configs_accepted_whole_with_kernel_packages']}/{len(by_config)}")
+        print(f"  ... accepted whole on a GPU host that also has the packages Megatron-LM's pyproject.toml "
+              f"lists for them (module {needed}): "
+              f"{summary['configs_accepted_whole_with_kernel_packages']}/{len(by_config)}; in scope "
+              f"{sum(with_packages_in_scope.values())}/{len(with_packages_in_scope)} = "
+              f"{100 * summary['share_in_scope_with_kernel_packages']:.1f}%")
     for v in examples:
         state = "accepted" if v.accepted else \
             f"refused: {', '.join([*v.unknown, *(f for f, _ in v.refused)])}"
@@ -498,7 +523,7 @@ def main() -> int:
         with device(gpu=not opts.cpu), contextlib.chdir(tree):
             verdicts = [best(line) for line in lines]
             if not opts.cpu:  # the refused ones again, as if the GPU host had every kernel package
-                with kernel_packages_installed() as asked:
+                with kernel_packages_installed(megatron_lm_packages(tree)) as asked:
                     for line, verdict in zip(lines, verdicts, strict=True):
                         asked.clear()
                         if not verdict.accepted and best(line).accepted and asked:

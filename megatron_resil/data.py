@@ -11,7 +11,9 @@ import contextlib
 import hashlib
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 
+import numpy
 import torch
 import torch.distributed as dist
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
@@ -19,10 +21,37 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.utils import Split, get_blend_from_list
 
-from megatron_resil import batch_schedule
+from megatron_resil import batch_schedule, fim
 from megatron_resil.tokenizer import Tokenizer
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+@dataclass
+class FIMGPTDatasetConfig(GPTDatasetConfig):
+    """GPTDatasetConfig with the FIM settings (--fim-data)."""
+
+    fim: fim.FIMSettings | None = None
+
+
+class FIMGPTDataset(GPTDataset):
+    """megatron-core's GPTDataset whose samples are turned into fill-in-the-middle ones (fim.py)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._fim = fim.FIMTransform(self.config.fim, self.config.tokenizer)
+
+    def _query_document_sample_shuffle_indices(self, idx: int) -> tuple:
+        # megatron-core 0.16 returns (ids, document ids); 0.19 adds each document's length.
+        text, *rest = super()._query_document_sample_shuffle_indices(idx)
+        # A short last sample is padded with _pad_token_id, -1 for our tokenizers (none has a pad token);
+        # FIM acts on the ids before it.
+        real = int(numpy.count_nonzero(text != self._pad_token_id))
+        rng = fim.sample_rng(self.config.random_seed, self.index_split.value, idx)
+        text = numpy.concatenate([self._fim(text[:real], rng), text[real:]])
+        if len(rest) == 2:
+            rest[1] = [real]  # one document now, as Megatron-LM's FIM dataset counts it
+        return (text, *rest)
 
 
 def _data_cache_path(args: argparse.Namespace) -> str | None:
@@ -107,7 +136,10 @@ def build_datasets(
     if not args.mock_data and not args.data_path:
         # megatron-core would silently fall back to mock data without a blend.
         raise ValueError("no training data: set data_path or mock_data")
-    config = GPTDatasetConfig(
+    config_cls, extra = GPTDatasetConfig, {}
+    if getattr(args, "fim_data", False):
+        config_cls, extra = FIMGPTDatasetConfig, {"fim": fim.settings_from_args(args, tokenizer)[0]}
+    config = config_cls(
         random_seed=args.seed,
         sequence_length=args.seq_length,
         blend=None if args.mock_data else get_blend_from_list(args.data_path),
@@ -119,6 +151,7 @@ def build_datasets(
         eod_mask_loss=False,
         create_attention_mask=False,
         mmap_bin_files=getattr(args, "mmap_bin_files", True),  # Megatron-LM's --no-mmap-bin-files
+        **extra,
     )
     train_samples, valid_samples = _num_samples(args)
     # Nothing here evaluates on the test split, and an unused split can still fail to build
@@ -128,7 +161,7 @@ def build_datasets(
         config.split_matrix[Split.valid.value] = None
     if not args.mock_data:
         _check_splits_have_tokens(config, args.split)
-    dataset_cls = MockGPTDataset if args.mock_data else GPTDataset
+    dataset_cls = MockGPTDataset if args.mock_data else FIMGPTDataset if extra else GPTDataset
     # Every rank samples its own microbatches, so every rank needs the datasets.
     with _process_group():
         train_ds, valid_ds, _ = BlendedMegatronDatasetBuilder(

@@ -74,19 +74,33 @@ class ByteTokenizer:
 
 class SentencePieceTokenizer:
     """megatron-core's SentencePiece tokenizer on --tokenizer-model: the model's pieces are the vocabulary
-    and its end-of-sentence id is EOD, as in Megatron-LM."""
+    and its end-of-sentence id is EOD, as in Megatron-LM.
 
-    def __init__(self, model_file: str) -> None:
+    `special_tokens` (--tokenizer-special-tokens, which Megatron-LM takes only with
+    --tokenizer-sentencepiece-legacy) go through megatron-core's legacy wrapper, the one that takes them: a
+    token that is a piece of the model keeps its id, the others take ids after the model's pieces in the
+    order given, and text is split at them before the model encodes the rest. EOD stays the model's
+    end-of-sentence piece (the legacy wrapper itself has no eod: Megatron-LM's GPT run stops there).
+    """
+
+    def __init__(self, model_file: str, special_tokens: list[str] | None = None) -> None:
         check_sentencepiece_model(model_file)  # a missing package or a wrong file: one line
         from megatron.core.tokenizers.text.libraries.sentencepiece_tokenizer import (
             SentencePieceTokenizer as _CoreSentencePieceTokenizer,
         )
-        self._core = _CoreSentencePieceTokenizer(model_file)
+        if special_tokens:
+            self._core = _CoreSentencePieceTokenizer(model_file, special_tokens=list(special_tokens),
+                                                     legacy=True)
+            self.eod: int = self._core.tokenizer.eos_id()
+        else:
+            self._core = _CoreSentencePieceTokenizer(model_file)
+            self.eod = self._core.eod
         self.vocab_size: int = self._core.vocab_size
-        self.eod: int = self._core.eod
         self.unique_identifiers = OrderedDict(
             [("class", type(self).__name__), ("tokenizer_model", model_file),
              ("vocab_size", self.vocab_size)])
+        if special_tokens:
+            self.unique_identifiers["special_tokens"] = list(special_tokens)
 
     def tokenize(self, text: str) -> list[int]:
         return self._core.text_to_ids(text)
@@ -113,9 +127,14 @@ class HuggingFaceTokenizer:
             include_special_tokens=include_special_tokens)
         self.vocab_size: int = self._core.vocab_size
         self.eod: int = self._core.eod
+        self.unk_id: int | None = self._core.tokenizer.unk_token_id
         self.unique_identifiers = OrderedDict(
             [("class", type(self).__name__), ("tokenizer_model", name_or_dir),
              ("include_special_tokens", include_special_tokens), ("vocab_size", self.vocab_size)])
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of `token` in the vocabulary (added special tokens included), None where it has none."""
+        return self._core.tokenizer.get_vocab().get(token)
 
     def tokenize(self, text: str) -> list[int]:
         return list(self._core.text_to_ids(text))
@@ -141,9 +160,17 @@ class TikTokenizer:
         self._num_special_tokens = num_special_tokens
         self.vocab_size: int = self._core.vocab_size
         self.eod: int = self._core.eod
+        self.unk_id: int | None = None  # megatron-core's token_to_id has no fallback: an unknown token fails
         self.unique_identifiers = OrderedDict(
             [("class", type(self).__name__), ("tokenizer_model", vocab_json), ("pattern", pattern or "v2"),
              ("num_special_tokens", num_special_tokens), ("vocab_size", self.vocab_size)])
+
+    def token_to_id(self, token: str) -> int | None:
+        """A special token's id, else the id of the vocabulary token `token` spells; else None."""
+        try:
+            return int(self._core.token_to_id(token))
+        except KeyError:
+            return None
 
     def tokenize(self, text: str) -> list[int]:
         return list(self._core.text_to_ids(text))
@@ -168,10 +195,11 @@ def build_tokenizer(args: argparse.Namespace) -> Tokenizer:
         return NullTokenizer(args.vocab_size)
     if args.tokenizer_type == "ByteTokenizer":
         return ByteTokenizer()
+    special_tokens = getattr(args, "tokenizer_special_tokens", None)
     if args.tokenizer_type == "GPT2BPETokenizer":
-        return GPT2BPETokenizer(args.vocab_file, args.merge_file)
+        return GPT2BPETokenizer(args.vocab_file, args.merge_file, special_tokens)
     if args.tokenizer_type in SENTENCEPIECE_TYPES:
-        return SentencePieceTokenizer(args.tokenizer_model)
+        return SentencePieceTokenizer(args.tokenizer_model, special_tokens)
     if args.tokenizer_type == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(
             args.tokenizer_model, args.tokenizer_special_tokens, use_fast=not args.tokenizer_hf_no_use_fast,

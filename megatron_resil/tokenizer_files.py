@@ -6,7 +6,8 @@ GPT2BPETokenizer is GPT-2's byte-level BPE run by Hugging Face's `tokenizers` pa
 and 0.19) builds this tokenizer through transformers' AutoTokenizer("gpt2"), which
 asks the Hugging Face hub for GPT-2's configuration; here the two files are all that is read. The ids are
 Megatron-LM's: GPT-2's pre-tokenizing pattern and byte-to-unicode map, `<|endoftext|>` in text read as the
-one EOD token, vocab_size = the entries of vocab.json.
+one EOD token, vocab_size = the entries of vocab.json plus the --tokenizer-special-tokens it lacks (added
+after them in order, as transformers' add_special_tokens numbers them).
 """
 
 from __future__ import annotations
@@ -141,9 +142,9 @@ def check_sentencepiece_model(model_file: str) -> None:
 
 class GPT2BPETokenizer:
     """GPT-2's byte-level BPE, with what training and the datasets read: vocab_size, eod, tokenize,
-    detokenize and unique_identifiers."""
+    detokenize and unique_identifiers; and token_to_id, unk_id for the FIM dataset's sentinel tokens."""
 
-    def __init__(self, vocab_file: str, merge_file: str) -> None:
+    def __init__(self, vocab_file: str, merge_file: str, special_tokens: list[str] | None = None) -> None:
         tokenizers = require_package("tokenizers", "--tokenizer-type GPT2BPETokenizer")
         try:
             with open(vocab_file, encoding="utf-8") as f:
@@ -164,11 +165,22 @@ class GPT2BPETokenizer:
         self._bpe.decoder = tokenizers.decoders.ByteLevel()
         # Already in vocab.json, so its id stays; as a special token it is matched whole in text.
         self._bpe.add_special_tokens([EOD_TOKEN])
+        # Megatron-LM's additional_special_tokens: one already in vocab.json keeps its id, the others take
+        # the next ids in the order given; all are matched whole in text and left out of detokenized text.
+        self._bpe.add_special_tokens(list(special_tokens or []))
         self.vocab_size: int = self._bpe.get_vocab_size(with_added_tokens=True)
         self.eod: int = vocab[EOD_TOKEN]
+        # transformers' GPT-2 tokenizer answers an unknown token with its unk_token, <|endoftext|>.
+        self.unk_id: int = self.eod
         self.unique_identifiers = OrderedDict(
             [("class", type(self).__name__), ("vocab_file", vocab_file), ("merge_file", merge_file),
              ("vocab_size", self.vocab_size)])
+        if special_tokens:
+            self.unique_identifiers["special_tokens"] = list(special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of `token` in the vocabulary (added special tokens included), None where it has none."""
+        return self._bpe.token_to_id(token)
 
     def tokenize(self, text: str) -> list[int]:
         return self._bpe.encode(text, add_special_tokens=False).ids

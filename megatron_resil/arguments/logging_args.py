@@ -7,6 +7,7 @@ import argparse
 import importlib.util
 import os
 
+from megatron_resil.arguments.device import package_available
 from megatron_resil.arguments.errors import ArgumentError
 from megatron_resil.arguments.flag_table import Flag, add_flags
 
@@ -51,7 +52,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         raise ArgumentError(f"--tensorboard-dir {args.tensorboard_dir} is a file; give a directory")
     if args.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
         raise ArgumentError("--tensorboard-dir needs the tensorboard package: pip install -e .[tensorboard]")
-    if args.wandb_project and importlib.util.find_spec("wandb") is None:
+    if args.wandb_project and not package_available("wandb"):
         raise ArgumentError("--wandb-project needs the wandb package: pip install wandb")
     if args.wandb_project == "":
         args.wandb_project = None  # Megatron-LM: an empty project means no Weights & Biases

@@ -26,8 +26,9 @@ MEGATRON_TOKENIZERS = ("BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETo
                        "SentencePieceTokenizer",
                        "GPTSentencePieceTokenizer", "HuggingFaceTokenizer", "Llama2Tokenizer", "TikTokenizer",
                        "MultimodalTokenizer", "NullTokenizer", "NullMultimodalTokenizer", "SFTTokenizer")
-# Types that read --tokenizer-special-tokens here (Megatron-LM also hands it to GPT-2's and SentencePiece's).
-_SPECIAL_TOKEN_TYPES = ("HuggingFaceTokenizer", "TikTokenizer")
+# Types that read --tokenizer-special-tokens (Megatron-LM's: NullTokenizer and ByteTokenizer have no text to
+# split at them).
+_SPECIAL_TOKEN_TYPES = ("GPT2BPETokenizer", *SENTENCEPIECE_TYPES, "HuggingFaceTokenizer", "TikTokenizer")
 
 TYPE_FLAG = Flag(
     "--tokenizer-type", None, str, choices=("ByteTokenizer", *MEGATRON_TOKENIZERS),
@@ -46,7 +47,12 @@ FLAGS = (
          "downloaded); TikTokenizer: Megatron's tiktoken vocabulary (.json)"),
     Flag("--tokenizer-special-tokens", None, str, nargs="+",
          help="TikTokenizer: its special tokens (must include <unk> <s> </s> <mask> <pad> <cls> <sep>); "
-              "HuggingFaceTokenizer: additional special tokens"),
+              "GPT2BPETokenizer, HuggingFaceTokenizer: additional special tokens (those not in the "
+              "vocabulary take the next ids, in order); SentencePiece types: the same, with "
+              "--tokenizer-sentencepiece-legacy"),
+    Flag("--tokenizer-sentencepiece-legacy",
+         help="SentencePiece types: megatron-core's legacy wrapper, the one that takes "
+              "--tokenizer-special-tokens (without them it tokenizes as the default one)"),
     Flag("--tiktoken-pattern", None, str, choices=("v1", "v2"),
          help="TikTokenizer's pre-tokenizing pattern (default v2, megatron-core's)"),
     Flag("--tiktoken-num-special-tokens", 1000, int,
@@ -83,8 +89,17 @@ def validate(args: argparse.Namespace) -> None:
         warn("--tiktoken-special-tokens is deprecated in Megatron-LM; use --tokenizer-special-tokens")
         args.tokenizer_special_tokens = args.tiktoken_special_tokens
     if args.tokenizer_special_tokens and args.tokenizer_type not in _SPECIAL_TOKEN_TYPES:
-        raise ArgumentError(f"--tokenizer-special-tokens: read here by {' and '.join(_SPECIAL_TOKEN_TYPES)} "
-                            f"only, not yet by {args.tokenizer_type}; drop it")
+        raise ArgumentError(f"--tokenizer-special-tokens: {args.tokenizer_type} takes no special tokens "
+                            f"(read by {', '.join(_SPECIAL_TOKEN_TYPES)}); drop it")
+    if args.tokenizer_sentencepiece_legacy and args.tokenizer_type not in SENTENCEPIECE_TYPES:
+        warn(f"--tokenizer-sentencepiece-legacy: read by SentencePiece types only; {args.tokenizer_type} "
+             "ignores it, as in Megatron-LM")
+    if (args.tokenizer_special_tokens and args.tokenizer_type in SENTENCEPIECE_TYPES
+            and not args.tokenizer_sentencepiece_legacy):
+        # megatron-core's SentencePiece wrapper refuses special tokens unless legacy (Megatron-LM alike).
+        raise ArgumentError(f"--tokenizer-special-tokens with {args.tokenizer_type} needs "
+                            "--tokenizer-sentencepiece-legacy (megatron-core adds special tokens to a "
+                            "SentencePiece model only in its legacy wrapper)")
     if args.vocab_size is not None and args.tokenizer_type not in ("NullTokenizer", "TikTokenizer"):
         raise ArgumentError(f"--vocab-size: {args.tokenizer_type} has a fixed vocabulary; drop --vocab-size")
     if args.tokenizer_type == "HuggingFaceTokenizer" and (args.vocab_file or args.merge_file):

@@ -1,5 +1,6 @@
 """JSONL to megatron-core indexed datasets, one document per line, named as Megatron-LM's
-tools/preprocess_data.py names them: PREFIX_KEY_document.bin and .idx for each --json-keys KEY.
+tools/preprocess_data.py names them: PREFIX_KEY_document.bin and .idx for each --json-keys KEY, or
+PREFIX_KEY_sentence with --split-sentences (each document's sentences its sequences: sentence_splitter.py).
 
 Outputs appear atomically: a reader sees the previous pair, no pair, or the complete new pair.
 Bad input ends in one line on stderr naming the file, line or flag, and exit code 2.
@@ -11,7 +12,7 @@ import json
 import os
 import sys
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NoReturn
 
 import numpy
@@ -22,10 +23,9 @@ from megatron_resil.arguments.errors import ArgumentError
 from megatron_resil.arguments.flag_table import add_flags
 from megatron_resil.tokenizer import build_tokenizer
 from megatron_resil.tokenizer_files import TokenizerFileError
+from megatron_resil.tools.sentence_splitter import SplitterUnavailable, sentence_splitter
 
 PROG = "preprocess_data"
-# Megatron-LM's level without --split-sentences (which is not built here): one document per JSON line.
-LEVEL = "document"
 
 
 class InputError(Exception):
@@ -47,11 +47,18 @@ def build_parser() -> argparse.ArgumentParser:
                      description="Tokenize a JSONL file into megatron-core indexed datasets.")
     parser.add_argument("--input", required=True, help="JSONL file, one JSON object per line")
     parser.add_argument("--output-prefix", required=True,
-                        help=f"writes PREFIX_KEY_{LEVEL}.bin and .idx for each --json-keys KEY")
+                        help="writes PREFIX_KEY_document.bin and .idx for each --json-keys KEY "
+                             "(PREFIX_KEY_sentence with --split-sentences)")
     parser.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
                         help="fields holding each document's text, one dataset each (default: text)")
     parser.add_argument("--append-eod", action="store_true",
                         help="end every non-empty document with the EOD token")
+    parser.add_argument("--split-sentences", action="store_true",
+                        help="split documents into sentences with NLTK's punkt model (needs nltk and its "
+                             "punkt data); each sentence is a sequence of its document")
+    parser.add_argument("--keep-newlines", action="store_true",
+                        help="with --split-sentences: keep the newlines between sentences")
+    parser.add_argument("--lang", default="english", help="with --split-sentences: punkt's language")
     # pretrain.py's tokenizer rows; the byte tokenizer (no files) by default.
     rows = [dataclasses.replace(flag, default="ByteTokenizer") if flag is tokenizer_args.TYPE_FLAG else flag
             for flag in tokenizer_args.FLAGS]
@@ -63,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def output_prefixes(args: argparse.Namespace) -> list[str]:
     """Megatron-LM's names: {output_prefix}_{json_key}_{level}, one per key."""
-    return [f"{args.output_prefix}_{key}_{LEVEL}" for key in args.json_keys]
+    level = "sentence" if args.split_sentences else "document"
+    return [f"{args.output_prefix}_{key}_{level}" for key in args.json_keys]
 
 
 def _validate(args: argparse.Namespace) -> None:
@@ -126,8 +134,11 @@ def _indexed_dataset():
     return DType, IndexedDatasetBuilder
 
 
-def preprocess(args: argparse.Namespace) -> tuple[int, int, int]:
-    """Write one dataset per key; returns (documents written, empty documents skipped, tokens), all keys."""
+def preprocess(args: argparse.Namespace,
+               split: Callable[[str], list[str]] | None = None) -> tuple[int, int, int]:
+    """Write one dataset per key, each document one sequence, or with `split` one per sentence (as
+    Megatron-LM: sentences with no tokens left out, EOD counted in the last one); returns (documents
+    written, empty documents skipped, tokens), all keys."""
     DType, IndexedDatasetBuilder = _indexed_dataset()  # noqa: N806 - megatron-core's class names
     try:
         tokenizer = build_tokenizer(args)
@@ -145,16 +156,19 @@ def preprocess(args: argparse.Namespace) -> tuple[int, int, int]:
         for lineno, texts in _documents(args.input, args.json_keys):
             for k, text in enumerate(texts):
                 try:
-                    ids = tokenizer.tokenize(text)
+                    sentences = [tokenizer.tokenize(part) for part in (split(text) if split else [text])]
                 except ValueError as err:
                     raise InputError(f"{args.input}:{lineno}: {err}") from None
+                lengths = [len(ids) for ids in sentences if ids]
+                ids = [i for sentence in sentences for i in sentence]
                 # A zero-length document adds nothing to train on and only skews document sampling.
                 if not ids:
                     skipped += 1
                     continue
                 if args.append_eod:
                     ids.append(tokenizer.eod)
-                builders[k].add_document(numpy.asarray(ids, dtype=dtype), [len(ids)])
+                    lengths[-1] += 1
+                builders[k].add_document(numpy.asarray(ids, dtype=dtype), lengths)
                 written[k] += 1
                 documents += 1
                 tokens += len(ids)
@@ -186,8 +200,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         _validate(args)
-        documents, skipped, tokens = preprocess(args)
-    except InputError as err:
+        split = sentence_splitter(args.lang, args.keep_newlines) if args.split_sentences else None
+        documents, skipped, tokens = preprocess(args, split)
+    except (InputError, SplitterUnavailable) as err:
         _fail(str(err))
     except OSError as err:
         # Not bad input but the machine (permissions, full disk): still one line, exit code 1.
