@@ -115,7 +115,8 @@ def snapshot_tree(path: Path, scratch: Path) -> tuple[Path, str]:
     commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout
     tree = scratch / "megatron-lm"
     tree.mkdir()
-    archive = subprocess.run([*git, "archive", "HEAD", "tests/functional_tests/test_cases", "examples"],
+    archive = subprocess.run([*git, "archive", "HEAD", "tests/functional_tests/test_cases", "examples",
+                              "pyproject.toml"],
                              capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
     return tree, commit.strip()
@@ -273,7 +274,6 @@ def device(gpu: bool):
             setattr(module, attr, original)
 
 
-@contextlib.contextmanager
 def megatron_lm_packages(tree: Path) -> set[str]:
     """The distributions Megatron-LM's pyproject.toml lists in any of its optional-dependency groups
     (`training`: wandb; `dev`: emerging_optimizers, fast-hadamard-transform; `ssm`: flash-linear-attention,
