@@ -163,13 +163,14 @@ def test_interleaved_checkpoints_are_in_megatron_lms_layout(interleaved_job):
     assert {"args", "checkpoint_version", "iteration", "model0", "model1", "optimizer", "opt_param_scheduler",
             "rng_state", "num_floating_point_operations_so_far"} <= state.keys()
     assert state["iteration"] == N and state["checkpoint_version"] == 3.0
-    assert isinstance(state["args"], argparse.Namespace) and state["args"].virtual_pipeline_model_parallel_size == 2
+    assert isinstance(state["args"], argparse.Namespace)
+    assert state["args"].virtual_pipeline_model_parallel_size == 2
     assert state["args"].consumed_train_samples == N * 4
     assert any(key.endswith("output_layer.weight") for key in state["model1"])  # the last stage's
     assert isinstance(state["rng_state"], list) and len(state["rng_state"]) == 1
     # --overlap-param-gather-with-optimizer-step: the first chunk's optimizer and the rest's, chained.
     assert isinstance(state["optimizer"], list) and len(state["optimizer"]) == 2
-    parameters = _as_megatron_lm_reads(a_dir / f"iter_{N:07d}" / "mp_rank_00_001" / torch_format.OPTIMIZER_FILE)
+    parameters = _as_megatron_lm_reads(a_dir / f"iter_{N:07d}/mp_rank_00_001" / torch_format.OPTIMIZER_FILE)
     assert isinstance(parameters, list) and len(parameters) == 2
     assert all(part["buckets_coalesced"] for part in parameters)
 

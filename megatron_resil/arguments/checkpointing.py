@@ -132,8 +132,8 @@ def _core_takes_other_strategies() -> bool:
 
 def validate(args: argparse.Namespace, world_size: int) -> None:
     if args.ckpt_format not in SUPPORTED_FORMATS:
-        raise ArgumentError(f"--ckpt-format {args.ckpt_format} is not supported; use --ckpt-format torch_dist, "
-                            "zarr or torch")
+        raise ArgumentError(f"--ckpt-format {args.ckpt_format} is not supported; use --ckpt-format "
+                            "torch_dist, zarr or torch")
     if args.verify_integrity and args.ckpt_format != "torch_dist":
         raise ArgumentError(f"--verify-integrity works with --ckpt-format torch_dist only (as in "
                             f"Megatron-LM), not {args.ckpt_format}; drop one of them")
@@ -178,7 +178,8 @@ def _check_torch_format_distributed_optimizer(args: argparse.Namespace) -> None:
     Megatron-LM, and keeps one distrib_optim.pt per model-parallel rank (one optimizer instance)."""
     if not args.use_gloo_process_groups:
         raise ArgumentError("--ckpt-format torch gathers the distributed optimizer's state over Gloo (as in "
-                            "Megatron-LM): drop --disable-gloo-process-groups, or use --ckpt-format torch_dist")
+                            "Megatron-LM): drop --disable-gloo-process-groups, or use --ckpt-format "
+                            "torch_dist")
     if args.num_distributed_optimizer_instances > 1:
         raise ArgumentError("--ckpt-format torch keeps one distributed optimizer's state per model-parallel "
                             "rank, not that of --num-distributed-optimizer-instances "

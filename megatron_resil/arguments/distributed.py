@@ -302,8 +302,8 @@ def _validate_overlap_with_optimizer_step(args: argparse.Namespace) -> None:
     if not args.overlap_param_gather:
         raise ArgumentError(f"{flag} needs --overlap-param-gather")
     if args.virtual_pipeline_model_parallel_size is None:
-        raise ArgumentError(f"{flag} needs the interleaved pipeline schedule (--num-layers-per-virtual-pipeline-"
-                            "stage or --virtual-pipeline-model-parallel-size)")
+        raise ArgumentError(f"{flag} needs the interleaved pipeline schedule (--num-layers-per-virtual-"
+                            "pipeline-stage or --num-virtual-stages-per-pipeline-rank)")
     if args.ckpt_format != "torch":
         # Megatron-LM refuses it with every distributed checkpoint format, so with all of ours.
         raise ArgumentError(f"{flag} is not supported with distributed checkpointing (as in Megatron-LM, "

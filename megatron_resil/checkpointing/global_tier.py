@@ -167,7 +167,9 @@ class GlobalTier(CheckpointTier):
         share = (parallel.rank(), dist.get_world_size() if dist.is_initialized() else 1)
         hashed: set[str] = set()  # the files our manifest's reading also checked against integrity.json
         if manifest is None:
-            checked = f"only the presence of {marker} was checked" if integrity is None else \
+            checked = f"only the presence of {marker} was checked" if backend != torch_format.FORMAT else \
+                "its files are only read through the allow-list, with no checksums to compare"
+            checked = checked if integrity is None else \
                 f"its files are checked against {megatron_integrity.WHAT} instead"
             if path not in _SAID_NO_MANIFEST:  # --use-checkpoint-args verifies before the loader does
                 _SAID_NO_MANIFEST.add(path)
@@ -193,16 +195,18 @@ class GlobalTier(CheckpointTier):
         return safe_load.check_checkpoint(path, backend)
 
     def _verify_torch_format(self, path: str) -> str | None:
-        """Each rank reads its own files through the allow-list (and keeps them for the load); without
-        process groups (the checkpoint tool, --use-checkpoint-args), every file is read."""
+        """Each rank reads its own files through the allow-list (and keeps them for the load). Without
+        process groups: the checkpoint tool reads every file; --use-checkpoint-args (no checksums, every
+        process reading for itself) the rank-0 file whose arguments it takes, as Megatron-LM does."""
         self._rank_files = None
         if not parallel_state.model_parallel_is_initialized():
-            return torch_format.reason_of(lambda: torch_format.check_all(path))
+            every_file = self.verify_checksums
+            return torch_format.reason_of(lambda: torch_format.check_all(path, every_file=every_file))
         files = torch_format.RankFiles(path)
         if not files.present():
-            return NotForThisRun(f"it holds no {files.model_file} for this rank: saved under another parallel "
-                                 "layout, and a --ckpt-format torch checkpoint loads only under the tensor-, "
-                                 "pipeline- and expert-parallel sizes that saved it")
+            return NotForThisRun(f"it holds no {files.model_file} for this rank: saved under another "
+                                 "parallel layout, and a --ckpt-format torch checkpoint loads only under the "
+                                 "tensor-, pipeline- and expert-parallel sizes that saved it")
         reason = torch_format.reason_of(files.read)
         if reason is None:
             self._rank_files = files

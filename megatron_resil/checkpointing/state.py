@@ -163,8 +163,8 @@ def _torch_format_state(model: list, optimizer, scheduler, progress: TrainProgre
     list of one, and (collective over data-parallel ranks) the distributed optimizer's gathered parameter
     state for distrib_optim.pt. Loading: what to read (the tier reads whole files)."""
     if loading:
-        return {"ckpt_format": torch_format.FORMAT, "model_keys": _model_keys(model), "optimizer": with_optimizer,
-                "distributed_optimizer": bool(args.use_distributed_optimizer)}
+        return {"ckpt_format": torch_format.FORMAT, "model_keys": _model_keys(model),
+                "optimizer": with_optimizer, "distributed_optimizer": bool(args.use_distributed_optimizer)}
     record = args_record(args)
     record.consumed_train_samples = progress.consumed_train_samples
     record.consumed_valid_samples = progress.consumed_valid_samples
@@ -296,7 +296,7 @@ def restore(loaded: dict, model: list, optimizer, scheduler, *, load_optimizer: 
         runtime_lrs = [(group.get("max_lr"), group.get("min_lr")) for group in optimizer.param_groups]
         with torch.no_grad():  # the distributed optimizer copies into views of fp32 parameters
             optimizer.load_state_dict(loaded["optimizer"])
-            if torch_format.PARAMETER_STATE in loaded:  # --ckpt-format torch: distrib_optim.pt, as Megatron-LM
+            if torch_format.PARAMETER_STATE in loaded:  # --ckpt-format torch: distrib_optim.pt
                 torch_format.load_parameter_state(optimizer, loaded[torch_format.PARAMETER_STATE])
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
         if scheduler.override_opt_param_scheduler:

@@ -1,12 +1,13 @@
 """Megatron-LM's legacy checkpoint format (--ckpt-format torch): one torch.save file per model-parallel rank.
 
 `iter_<7 digits>/mp_rank_<TP:02d>[_<PP:03d>][_<EP:03d>]/model_optim_rng.pt` (the pipeline part when PP > 1,
-the expert part when EP > 1) holds what Megatron-LM's generate_state_dict puts there: args, checkpoint_version,
-iteration, model (model0, model1, ... with virtual pipeline stages) as plain state dicts, the optimizer's
-state_dict(), opt_param_scheduler, rng_state (a list of one rank's RNG states) and
-num_floating_point_operations_so_far. Data-parallel rank 0 of each writes it. Under --use-distributed-optimizer
-`distrib_optim.pt` lies beside it: megatron-core's get_parameter_state_dp_zero, gathered to and written by
-data-parallel rank 0 (a list of them for a chained optimizer), whatever the data-parallel size.
+the expert part when EP > 1) holds what Megatron-LM's generate_state_dict puts there: args,
+checkpoint_version, iteration, model (model0, model1, ... with virtual pipeline stages) as plain state dicts,
+the optimizer's state_dict(), opt_param_scheduler, rng_state (a list of one rank's RNG states) and
+num_floating_point_operations_so_far. Data-parallel rank 0 of each writes it. Under
+--use-distributed-optimizer `distrib_optim.pt` lies beside it: megatron-core's get_parameter_state_dp_zero,
+gathered to and written by data-parallel rank 0 (a list of them for a chained optimizer), whatever the
+data-parallel size.
 
 Every read is torch.load(weights_only=True) through safe_load's allow-list and untrusted's bounded,
 no-link readers; megatron-core's own load_parameter_state (a torch.load of a path, the unpickler left to
@@ -121,7 +122,8 @@ def load_parameter_state(optimizer, state) -> None:
 
 def _needs_state(optimizer, state) -> None:
     if optimizer.data_parallel_group.rank() == 0 and state is None:
-        raise RuntimeError(f"no {OPTIMIZER_FILE} state read on the distributed optimizer's data-parallel rank 0")
+        raise RuntimeError(f"no {OPTIMIZER_FILE} state read on the distributed optimizer's data-parallel "
+                           "rank 0")
 
 
 def save_rank_files(staging: str, state: dict) -> dict:
@@ -208,14 +210,15 @@ def rank0_model_file(path: str) -> str | None:
     return None
 
 
-def check_all(path: str) -> str | None:
-    """Every .pt file of the checkpoint read through the allow-list (a check without process groups: the
-    checkpoint tool, --use-checkpoint-args): None, or why it is refused."""
-    if rank0_model_file(path) is None:
+def check_all(path: str, every_file: bool = True) -> str | None:
+    """A check without process groups: every .pt file of the checkpoint (or only rank 0's model file) read
+    through the allow-list. None, or why it is refused."""
+    first = rank0_model_file(path)
+    if first is None:
         return f"incomplete (no {_PREFIX}00*/{MODEL_FILE})"
-    for relative in untrusted.regular_files(path):
+    for relative in untrusted.regular_files(path) if every_file else [first]:
         if relative.startswith(_PREFIX) and relative.endswith(".pt"):
-            read_file(os.path.join(path, relative))
+            read_file(untrusted.inside(path, relative))
     return None
 
 
@@ -238,7 +241,8 @@ def _saved_size(saved: dict, name: str) -> int:
 
 def layout_mismatch(saved: dict) -> str | None:
     """Why a checkpoint saved with arguments `saved` cannot load on this run's ranks: the format keeps each
-    model-parallel rank's tensors whole, so only the sizes that saved it read it (data-parallel size aside)."""
+    model-parallel rank's tensors whole, so only the sizes that saved it read it (data-parallel size
+    aside)."""
     sizes = (("tensor_model_parallel_size", parallel_state.get_tensor_model_parallel_world_size()),
              ("pipeline_model_parallel_size", parallel_state.get_pipeline_model_parallel_world_size()),
              ("expert_model_parallel_size", parallel_state.get_expert_model_parallel_world_size()),
