@@ -226,6 +226,21 @@ def test_planted_pickle_is_refused_without_running_and_the_previous_checkpoint_r
     assert not (root / "PWNED").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.compat
+def test_planted_pickle_in_distrib_optim_is_refused_by_the_checkpoint_tool(dp2_job):
+    root = dp2_job["root"] / "tool_optim"
+    shutil.copytree(dp2_job["a_dir"] / "iter_0000004", root / "iter_0000004")
+    relative = f"mp_rank_00/{torch_format.OPTIMIZER_FILE}"
+    (root / "iter_0000004" / relative).unlink()
+    torch.save([Evil(root / "PWNED")], root / "iter_0000004" / relative)
+    _rewrite_manifest_entry(root / "iter_0000004", relative)
+    verdict = launch.ckpt_tool("verify", root)
+    assert verdict.returncode == 1, verdict.stdout
+    assert f"{relative} asks to unpickle" in verdict.stdout and "system" in verdict.stdout, verdict.stdout
+    assert not (root / "PWNED").exists()
+
+
 # ---- arguments -----------------------------------------------------------------------------------------
 
 def test_megatron_lms_overlap_optimizer_config_is_accepted_with_the_torch_format(tmp_path):
