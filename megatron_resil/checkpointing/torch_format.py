@@ -23,6 +23,7 @@ import pickle
 import torch
 from megatron.core import parallel_state
 
+from megatron_resil import parallel
 from megatron_resil.checkpointing import safe_load, untrusted
 from megatron_resil.checkpointing.atomic import open_new
 from megatron_resil.checkpointing.manifest import checksum_files
@@ -127,18 +128,27 @@ def _needs_state(optimizer, state) -> None:
 
 
 def save_rank_files(staging: str, state: dict) -> dict:
-    """This rank's files of a save into `staging` (model_optim_rng.pt where this rank writes it,
-    distrib_optim.pt where it holds the gathered state); returns their {relpath: size and checksum}."""
+    """Collective: this rank's files of a save into `staging` (model_optim_rng.pt where this rank writes it,
+    distrib_optim.pt where it holds the gathered state); returns their {relpath: size and checksum}.
+    Where Megatron-LM's rule gives a file more than one writer (context-parallel replicas of data-parallel
+    rank 0 write the same model_optim_rng.pt there, racing), the lowest rank writes it."""
     model_state = {key: value for key, value in state.items() if key != PARAMETER_STATE}
     parameters = state.get(PARAMETER_STATE)
     relative_dir = this_rank_dir()
+    wanted = {f"{relative_dir}/{MODEL_FILE}": model_state if _writes_model_file() else None,
+              f"{relative_dir}/{OPTIMIZER_FILE}": parameters}
+    # Nothing above can fail on one rank only: every rank reaches this collective.
+    claims = parallel.all_gather_object([relative for relative, content in wanted.items()
+                                         if content is not None])
+    writer = {}
+    for rank, relatives in enumerate(claims):
+        for relative in relatives:
+            writer.setdefault(relative, rank)
     written = []
-    for name, content, writes in ((MODEL_FILE, model_state, _writes_model_file()),
-                                  (OPTIMIZER_FILE, parameters, parameters is not None)):
-        if not writes:
+    for relative, content in wanted.items():
+        if content is None or writer[relative] != parallel.rank():
             continue
         os.makedirs(os.path.join(staging, relative_dir), exist_ok=True)
-        relative = f"{relative_dir}/{name}"
         with open_new(os.path.join(staging, relative), "wb") as f:
             torch.save(content, f)
         written.append(relative)
