@@ -45,9 +45,11 @@ def ddp_config(args: argparse.Namespace) -> DistributedDataParallelConfig:
 def wrap_in_ddp(chunks: list[MegatronModule], args: argparse.Namespace) -> list[DistributedDataParallel]:
     config = get_model_config(chunks[0])
     ddp = ddp_config(args)
-    # As Megatron-LM: only the first chunk's buffers are split into buckets; the others' gradients are
-    # reduced in one piece, when their last backward ends.
-    return [DistributedDataParallel(config, ddp, chunk, disable_bucketing=index > 0)
+    # As Megatron-LM: only the first chunk's buffers are split into buckets (none of them with
+    # --overlap-param-gather-with-optimizer-step); the others' gradients are reduced in one piece, when their
+    # last backward ends.
+    every_chunk_whole = args.overlap_param_gather_with_optimizer_step
+    return [DistributedDataParallel(config, ddp, chunk, disable_bucketing=index > 0 or every_chunk_whole)
             for index, chunk in enumerate(chunks)]
 
 

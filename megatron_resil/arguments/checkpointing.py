@@ -9,7 +9,7 @@ import os
 
 from megatron_resil.arguments.errors import ArgumentError
 
-SUPPORTED_FORMATS = ("torch_dist", "zarr")
+SUPPORTED_FORMATS = ("torch_dist", "zarr", "torch")
 MEGATRON_FORMATS = ("torch", "torch_dist", "torch_dcp", "fsdp_dtensor", "zarr")
 
 
@@ -23,9 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ckpt-keep-last", type=int, default=None,
                    help="keep only the newest K checkpoints (plus --save-retain-interval ones)")
     g.add_argument("--ckpt-format", choices=MEGATRON_FORMATS, default="torch_dist",
-                   help="what global checkpoints are written in: torch_dist, or zarr (zarr v3 through "
+                   help="what global checkpoints are written in: torch_dist, zarr (zarr v3 through "
                         "tensorstore, one array per tensor, readable outside PyTorch; synchronous saves "
-                        "only, not with --use-distributed-optimizer). Loading reads either.")
+                        "only, not with --use-distributed-optimizer) or torch (Megatron-LM's legacy "
+                        "per-rank files, mp_rank_*/model_optim_rng.pt; synchronous, loads only under the "
+                        "parallel sizes that saved it). Loading reads any of them.")
     g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
                    help="save the distributed optimizer's state fully reshardable (any data-parallel "
                         "size, gathered per parameter); default: dp_reshardable (each rank's buffer shard)")
@@ -130,8 +132,8 @@ def _core_takes_other_strategies() -> bool:
 
 def validate(args: argparse.Namespace, world_size: int) -> None:
     if args.ckpt_format not in SUPPORTED_FORMATS:
-        raise ArgumentError(
-            f"--ckpt-format {args.ckpt_format} is not supported; use --ckpt-format torch_dist or zarr")
+        raise ArgumentError(f"--ckpt-format {args.ckpt_format} is not supported; use --ckpt-format "
+                            "torch_dist, zarr or torch")
     if args.verify_integrity and args.ckpt_format != "torch_dist":
         raise ArgumentError(f"--verify-integrity works with --ckpt-format torch_dist only (as in "
                             f"Megatron-LM), not {args.ckpt_format}; drop one of them")
@@ -157,6 +159,8 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     if args.ckpt_format == "zarr" and args.use_distributed_optimizer:
         raise ArgumentError("--ckpt-format zarr cannot save the state of --use-distributed-optimizer; use "
                             "--ckpt-format torch_dist, or drop --use-distributed-optimizer")
+    if args.ckpt_format == "torch" and args.use_distributed_optimizer:
+        _check_torch_format_distributed_optimizer(args)
     if args.ckpt_format == "zarr" and not _core_takes_other_strategies():
         raise ArgumentError(f"--ckpt-format zarr needs megatron-core's pluggable checkpoint strategies, "
                             f"which megatron-core {importlib.metadata.version('megatron-core')} no longer "
@@ -167,6 +171,19 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         raise ArgumentError("--async-save-max-failures must be at least 1")
     if args.exit_on_missing_checkpoint and args.load is None:
         raise ArgumentError("--exit-on-missing-checkpoint needs --load DIR")
+
+
+def _check_torch_format_distributed_optimizer(args: argparse.Namespace) -> None:
+    """The legacy format gathers the distributed optimizer's state to data-parallel rank 0 over Gloo, as in
+    Megatron-LM, and keeps one distrib_optim.pt per model-parallel rank (one optimizer instance)."""
+    if not args.use_gloo_process_groups:
+        raise ArgumentError("--ckpt-format torch gathers the distributed optimizer's state over Gloo (as in "
+                            "Megatron-LM): drop --disable-gloo-process-groups, or use --ckpt-format "
+                            "torch_dist")
+    if args.num_distributed_optimizer_instances > 1:
+        raise ArgumentError("--ckpt-format torch keeps one distributed optimizer's state per model-parallel "
+                            "rank, not that of --num-distributed-optimizer-instances "
+                            f"{args.num_distributed_optimizer_instances}; use --ckpt-format torch_dist")
 
 
 def _validate_non_persistent(args: argparse.Namespace, world_size: int) -> None:

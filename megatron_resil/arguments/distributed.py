@@ -294,16 +294,29 @@ def _validate_sequence_and_context(args: argparse.Namespace) -> None:
                                 f"{args.seq_length} divisible by {chunks} (twice the context-parallel size)")
 
 
+def _validate_overlap_with_optimizer_step(args: argparse.Namespace) -> None:
+    """Megatron-LM's conditions, in its order."""
+    flag = "--overlap-param-gather-with-optimizer-step"
+    if not args.use_distributed_optimizer:
+        raise ArgumentError(f"{flag} needs --use-distributed-optimizer")
+    if not args.overlap_param_gather:
+        raise ArgumentError(f"{flag} needs --overlap-param-gather")
+    if args.virtual_pipeline_model_parallel_size is None:
+        raise ArgumentError(f"{flag} needs the interleaved pipeline schedule (--num-layers-per-virtual-"
+                            "pipeline-stage or --num-virtual-stages-per-pipeline-rank)")
+    if args.ckpt_format != "torch":
+        # Megatron-LM refuses it with every distributed checkpoint format, so with all of ours.
+        raise ArgumentError(f"{flag} is not supported with distributed checkpointing (as in Megatron-LM, "
+                            "which allows it with --ckpt-format torch only): add --ckpt-format torch")
+
+
 def _validate_data_parallel_engine(args: argparse.Namespace) -> None:
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         raise ArgumentError("--overlap-param-gather needs --use-distributed-optimizer")
     if args.overlap_param_gather and not args.overlap_grad_reduce:
         raise ArgumentError("--overlap-param-gather needs --overlap-grad-reduce")
     if args.overlap_param_gather_with_optimizer_step:
-        # Megatron-LM refuses it with every distributed checkpoint format, so with all of ours.
-        raise ArgumentError("--overlap-param-gather-with-optimizer-step is not supported with distributed "
-                            "checkpointing (as in Megatron-LM, which allows it with --ckpt-format torch "
-                            "only)")
+        _validate_overlap_with_optimizer_step(args)
     if args.ddp_bucket_size is not None and args.ddp_bucket_size <= 0:
         raise ArgumentError("--ddp-bucket-size must be positive")
     if args.num_distributed_optimizer_instances > 1:

@@ -1,5 +1,6 @@
 """A global checkpoint tier (a directory on shared storage) through megatron-core's dist_checkpointing,
-in torch_dist format or, with --ckpt-format zarr, in zarr v3 through our tensorstore strategy.
+in torch_dist format or, with --ckpt-format zarr, in zarr v3 through our tensorstore strategy; with
+--ckpt-format torch, Megatron-LM's legacy per-rank torch.save files (torch_format).
 
 Save: write into a staging directory, fsync everything, add the manifest (and, with --verify-integrity,
 Megatron-LM's integrity.json before it), rename into place, then replace the tracker. Load order: the
@@ -28,6 +29,7 @@ from megatron_resil.checkpointing import (
     megatron_integrity,
     safe_load,
     shard_writer,
+    torch_format,
     untrusted,
     zarr_strategy,
 )
@@ -48,7 +50,7 @@ from megatron_resil.checkpointing.snapshot import SnapshotBuffers
 from megatron_resil.checkpointing.tier import AsyncSaveJob, CheckpointTier, NotForThisRun, TierCandidate
 from megatron_resil.checkpointing.tracker import read_tracker, write_tracker
 
-FORMATS = ("torch_dist", "zarr")
+FORMATS = ("torch_dist", "zarr", torch_format.FORMAT)
 # megatron-core 0.16's load() takes the common.pt reader (ours reads weights-only); 0.19's has no such
 # argument and reads the common state itself (its legacy common.pt reader is ours: patches/megatron_core.py).
 _LOAD_TAKES_COMMON_STRATEGY = "common_strategy" in inspect.signature(dist_checkpointing.load).parameters
@@ -94,6 +96,7 @@ class GlobalTier(CheckpointTier):
         self.strictness = strictness  # --dist-ckpt-strictness, megatron-core's StrictHandling, as Megatron-LM
         self.on_staged = None  # called with the iteration after the shards are written, before publish
         self._common_of: tuple[str, dict] | None = None
+        self._rank_files: torch_format.RankFiles | None = None  # a torch-format candidate's, read by verify
         # A --load that is not this run's --save is only read: a rejected checkpoint there stays put.
         self.read_only = False
         self._snapshot = SnapshotBuffers()  # what an async save writes from, reused from save to save
@@ -139,10 +142,13 @@ class GlobalTier(CheckpointTier):
         if (irregular := untrusted.find_irregular(path)) is not None:
             return irregular
         # What marks a checkpoint complete when it has no manifest: DCP's .metadata, written last
-        # (torch_dist), or megatron-core's metadata.json, written after the strategy returned (zarr).
-        backend = _sharded_backend(path) or "torch_dist"
-        marker = ".metadata" if backend == "torch_dist" else "metadata.json"
-        if not os.path.isfile(os.path.join(path, marker)):
+        # (torch_dist), or megatron-core's metadata.json, written after the strategy returned (zarr); each
+        # rank's own model_optim_rng.pt (torch), looked for after the manifest.
+        backend = torch_format.FORMAT if torch_format.is_torch_checkpoint(path) else \
+            _sharded_backend(path) or "torch_dist"
+        marker = {"torch_dist": ".metadata", torch_format.FORMAT: torch_format.MODEL_FILE}.get(backend,
+                                                                                          "metadata.json")
+        if backend != torch_format.FORMAT and not os.path.isfile(os.path.join(path, marker)):
             return f"incomplete (no {marker})"
         integrity, reason = megatron_integrity.read_integrity_manifest(path)
         if reason is not None:
@@ -161,7 +167,9 @@ class GlobalTier(CheckpointTier):
         share = (parallel.rank(), dist.get_world_size() if dist.is_initialized() else 1)
         hashed: set[str] = set()  # the files our manifest's reading also checked against integrity.json
         if manifest is None:
-            checked = f"only the presence of {marker} was checked" if integrity is None else \
+            checked = f"only the presence of {marker} was checked" if backend != torch_format.FORMAT else \
+                "its files are only read through the allow-list, with no checksums to compare"
+            checked = checked if integrity is None else \
                 f"its files are checked against {megatron_integrity.WHAT} instead"
             if path not in _SAID_NO_MANIFEST:  # --use-checkpoint-args verifies before the loader does
                 _SAID_NO_MANIFEST.add(path)
@@ -182,7 +190,38 @@ class GlobalTier(CheckpointTier):
         # they name: whoever wrote them could have written the manifest.
         if backend == "zarr" and (reason := zarr_strategy.check_metadata(path)) is not None:
             return reason
+        if backend == torch_format.FORMAT:
+            return self._verify_torch_format(path)
         return safe_load.check_checkpoint(path, backend)
+
+    def _verify_torch_format(self, path: str) -> str | None:
+        """Each rank reads its own files through the allow-list (and keeps them for the load). Without
+        process groups: the checkpoint tool reads every file; --use-checkpoint-args (no checksums, every
+        process reading for itself) the rank-0 file whose arguments it takes, as Megatron-LM does."""
+        self._rank_files = None
+        if not parallel_state.model_parallel_is_initialized():
+            every_file = self.verify_checksums
+            return torch_format.reason_of(lambda: torch_format.check_all(path, every_file=every_file))
+        files = torch_format.RankFiles(path)
+        if not files.present():
+            return NotForThisRun(f"it holds no {files.model_file} for this rank: saved under another "
+                                 "parallel layout, and a --ckpt-format torch checkpoint loads only under the "
+                                 "tensor-, pipeline- and expert-parallel sizes that saved it")
+        reason = torch_format.reason_of(files.read)
+        if reason is None:
+            self._rank_files = files
+        return reason
+
+    def _torch_files(self, candidate: TierCandidate) -> torch_format.RankFiles | None:
+        """The candidate's files as this rank's verification read them, or None if it is no torch-format
+        checkpoint."""
+        if self._rank_files is not None and self._rank_files.path == candidate.path:
+            return self._rank_files
+        if not torch_format.is_torch_checkpoint(candidate.path):
+            return None
+        files = torch_format.RankFiles(candidate.path)
+        files.read()
+        return files
 
     def quarantine(self, candidate: TierCandidate, reason: str) -> None:
         """Rank 0 moves a rejected checkpoint aside; an error there is logged, never raised, so every
@@ -213,9 +252,16 @@ class GlobalTier(CheckpointTier):
                         iteration=candidate.iteration, path=target, reason=reason)
 
     def saved_args(self, candidate: TierCandidate):
+        if torch_format.is_torch_checkpoint(candidate.path):
+            if not parallel_state.model_parallel_is_initialized():  # Megatron-LM reads rank 0's file then
+                relative = torch_format.rank0_model_file(candidate.path)
+                return torch_format.read_file(untrusted.inside(candidate.path, relative)).get("args", {})
+            return self._torch_files(candidate).state.get("args", {})
         return self._common(candidate).get("args", {})
 
     def saved_metadata(self, candidate: TierCandidate) -> dict | None:
+        if torch_format.is_torch_checkpoint(candidate.path):
+            return {"ckpt_format": torch_format.FORMAT}  # per-rank files of whole tensors: no sharding
         return dist_checkpointing.load_content_metadata(preloaded_state_dict=self._common(candidate))
 
     def _common(self, candidate: TierCandidate) -> dict:
@@ -225,6 +271,10 @@ class GlobalTier(CheckpointTier):
         return self._common_of[1]
 
     def load(self, candidate: TierCandidate, sharded_template: dict) -> dict:
+        if sharded_template.get("ckpt_format") == torch_format.FORMAT:
+            files = self._torch_files(candidate)
+            self._rank_files = None  # the state is the caller's now: not kept beside it
+            return torch_format.loaded_state(files, sharded_template)
         kwargs = {"common_strategy": safe_load.CommonLoadWeightsOnly()} if _LOAD_TAKES_COMMON_STRATEGY else {}
         loaded = dist_checkpointing.load(sharded_template, candidate.path, strict=self.strictness, **kwargs)
         if isinstance(loaded, tuple):  # return_unexpected, return_all: Megatron-LM would choke on these
@@ -240,7 +290,9 @@ class GlobalTier(CheckpointTier):
         staging = self._begin(iteration)
         own, failure = {}, None
         try:
-            if self.ckpt_format == "zarr":
+            if self.ckpt_format == torch_format.FORMAT:
+                own = torch_format.save_rank_files(staging, sharded_state)
+            elif self.ckpt_format == "zarr":
                 writer = zarr_strategy.ZarrSaveShardedStrategy()
                 dist_checkpointing.save(sharded_state, staging, sharded_strategy=self._parallel(writer),
                                         content_metadata=self.content_metadata)

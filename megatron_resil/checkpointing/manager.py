@@ -95,8 +95,9 @@ class CheckpointManager:
         self.non_persistent_tier = _non_persistent_tier(config, parallel_layout(args))
         for tier in (self.save_tier, self.non_persistent_tier):
             if tier is not None:
-                tier.content_metadata = state.sharding_metadata(args,
-                                                                for_local_tier=isinstance(tier, LocalTier))
+                tier.content_metadata = state.sharding_metadata(
+                    args, for_local_tier=isinstance(tier, LocalTier),
+                    ckpt_format=tier.ckpt_format if isinstance(tier, GlobalTier) else "torch_dist")
         self.canary = LoadCanary(config.canary_iters)
         self.async_saves = AsyncSaves(config.async_timeout_secs, config.async_max_failures) \
             if config.async_save else None
@@ -335,8 +336,11 @@ def _non_persistent_tier(config: CheckpointConfig, layout_of_run: str) -> Checkp
         return LocalTier(config.local_dir, algo=config.local_algo, replication=config.replication,
                          verify_checksums=config.verify_checksums, parallel_layout=layout_of_run)
     if config.non_persistent_dir is not None:
+        # Megatron-LM's non-persistent global checkpoints are distributed ones (its legacy format has no
+        # such path): with --ckpt-format torch they stay torch_dist.
+        ckpt_format = "torch_dist" if config.ckpt_format == "torch" else config.ckpt_format
         return GlobalTier(config.non_persistent_dir, name="non-persistent",
-                          verify_checksums=config.verify_checksums, ckpt_format=config.ckpt_format,
+                          verify_checksums=config.verify_checksums, ckpt_format=ckpt_format,
                           assume_constant_structure=config.assume_constant_structure,
                           verify_integrity=config.verify_integrity, strictness=config.strictness)
     return None

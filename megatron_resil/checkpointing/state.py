@@ -27,7 +27,7 @@ from megatron.core.safe_globals import register_safe_globals
 from megatron.core.utils import unwrap_model
 
 from megatron_resil import events, parallel, rerun
-from megatron_resil.checkpointing import safe_load, untrusted
+from megatron_resil.checkpointing import safe_load, torch_format, untrusted
 from megatron_resil.checkpointing.tier import CheckpointFormatError
 from megatron_resil.optimizer import apply_overridden_schedule, check_resumed_schedule
 from megatron_resil.progress import TrainProgress
@@ -60,9 +60,13 @@ def args_record(args: argparse.Namespace) -> argparse.Namespace:
     return out
 
 
-def sharding_metadata(args: argparse.Namespace, for_local_tier: bool = False) -> dict:
+def sharding_metadata(args: argparse.Namespace, for_local_tier: bool = False,
+                      ckpt_format: str = "torch_dist") -> dict:
     """How model and optimizer state are sharded (Megatron-LM's `sharded_sd_metadata`), for a save. The
-    node-local tier keeps each rank's own shards (dp_reshardable), as Megatron-LM requires."""
+    node-local tier keeps each rank's own shards (dp_reshardable), as Megatron-LM requires. `ckpt_format`
+    torch: no sharding at all (each rank's plain state dicts, Megatron-LM's legacy format)."""
+    if ckpt_format == torch_format.FORMAT:
+        return {"ckpt_format": torch_format.FORMAT}
     metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
     if args.use_distributed_optimizer:
         fully = args.dist_ckpt_optim_fully_reshardable and not for_local_tier
@@ -127,6 +131,9 @@ def build_sharded_state(model: list, optimizer, scheduler, progress: TrainProgre
     """The sharded state dict to save (`metadata`: this run's `sharding_metadata`) or, with `loading`, the
     template to load a checkpoint into (`metadata`: the checkpoint's own; `rng_shape`: its
     `saved_rng_shape`, None for this program's layout)."""
+    if (metadata or {}).get("ckpt_format") == torch_format.FORMAT:
+        return _torch_format_state(model, optimizer, scheduler, progress, args, with_optimizer=with_optimizer,
+                                   with_rng=with_rng, loading=loading)
     metadata = _with_groups(metadata)
     record = args_record(args)
     record.consumed_train_samples = progress.consumed_train_samples
@@ -147,6 +154,35 @@ def build_sharded_state(model: list, optimizer, scheduler, progress: TrainProgre
         state["opt_param_scheduler"] = scheduler.state_dict()
     if with_rng:
         state["rng_state"] = _rng_object(_by_data_parallel_rank(rng_shape))
+    return state
+
+
+def _torch_format_state(model: list, optimizer, scheduler, progress: TrainProgress, args: argparse.Namespace,
+                        *, with_optimizer: bool, with_rng: bool, loading: bool) -> dict:
+    """Megatron-LM's generate_state_dict for --ckpt-format torch: plain state dicts, the RNG states as a
+    list of one, and (collective over data-parallel ranks) the distributed optimizer's gathered parameter
+    state for distrib_optim.pt. Loading: what to read (the tier reads whole files)."""
+    if loading:
+        return {"ckpt_format": torch_format.FORMAT, "model_keys": _model_keys(model),
+                "optimizer": with_optimizer, "distributed_optimizer": bool(args.use_distributed_optimizer)}
+    record = args_record(args)
+    record.consumed_train_samples = progress.consumed_train_samples
+    record.consumed_valid_samples = progress.consumed_valid_samples
+    record.skipped_train_samples = progress.skipped_train_samples
+    state = {"args": record, "checkpoint_version": CHECKPOINT_VERSION, "iteration": progress.iteration}
+    for key, chunk in zip(_model_keys(model), unwrap_model(model), strict=True):
+        state[key] = chunk.state_dict_for_save_checkpoint()
+    if with_optimizer:
+        state["optimizer"] = optimizer.state_dict()
+        state["opt_param_scheduler"] = scheduler.state_dict()
+        if args.use_distributed_optimizer:
+            state[torch_format.PARAMETER_STATE] = torch_format.parameter_state(optimizer)
+    rerun_state = rerun.checkpoint_state()
+    if rerun_state is not None:  # every rank's part is in per_rank; its ShardedObject is torch_dist's
+        state["rerun_state_machine"] = {k: v for k, v in rerun_state.items() if k != "sharded"}
+    if with_rng:
+        state["rng_state"] = [parallel.rng_state()]
+    state["num_floating_point_operations_so_far"] = progress.floating_point_operations_so_far
     return state
 
 
@@ -260,6 +296,8 @@ def restore(loaded: dict, model: list, optimizer, scheduler, *, load_optimizer: 
         runtime_lrs = [(group.get("max_lr"), group.get("min_lr")) for group in optimizer.param_groups]
         with torch.no_grad():  # the distributed optimizer copies into views of fp32 parameters
             optimizer.load_state_dict(loaded["optimizer"])
+            if torch_format.PARAMETER_STATE in loaded:  # --ckpt-format torch: distrib_optim.pt
+                torch_format.load_parameter_state(optimizer, loaded[torch_format.PARAMETER_STATE])
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
         if scheduler.override_opt_param_scheduler:
             apply_overridden_schedule(optimizer, scheduler, runtime_lrs, progress.consumed_train_samples)
