@@ -191,8 +191,7 @@ def test_flipped_byte_is_rejected_and_the_previous_checkpoint_resumes_exactly(in
 
 # ---- distributed optimizer at DP 2 ---------------------------------------------------------------------
 
-@pytest.mark.slow
-@pytest.mark.compat
+@pytest.mark.slow  # first lane only: the second runs the interleaved job's (CI time)
 def test_dp2_distributed_optimizer_state_is_gathered_to_one_file(dp2_job):
     checkpoint = dp2_job["a_dir"] / "iter_0000004"
     assert sorted(p.name for p in checkpoint.iterdir()) == ["mp_rank_00", MANIFEST_NAME]
@@ -208,8 +207,7 @@ def test_dp2_distributed_optimizer_state_is_gathered_to_one_file(dp2_job):
     assert "state" not in state["optimizer"]["optimizer"]  # the parameter state is distrib_optim.pt's
 
 
-@pytest.mark.slow
-@pytest.mark.compat
+@pytest.mark.slow  # first lane only: the second runs the interleaved job's (CI time)
 def test_planted_pickle_is_refused_without_running_and_the_previous_checkpoint_resumes(dp2_job):
     out, root = dp2_job["b_out"], dp2_job["root"]
     assert not (root / "PWNED").exists(), "the planted pickle ran"
@@ -226,8 +224,7 @@ def test_planted_pickle_is_refused_without_running_and_the_previous_checkpoint_r
     assert not (root / "PWNED").exists()
 
 
-@pytest.mark.slow
-@pytest.mark.compat
+@pytest.mark.slow  # first lane only: the second runs the interleaved job's (CI time)
 def test_planted_pickle_in_distrib_optim_is_refused_by_the_checkpoint_tool(dp2_job):
     root = dp2_job["root"] / "tool_optim"
     shutil.copytree(dp2_job["a_dir"] / "iter_0000004", root / "iter_0000004")
