@@ -236,6 +236,9 @@ def test_coverage_benchmark_names_the_kernel_package_a_gpu_host_must_install(tmp
                        "--experimental-attention-variant": "gated_delta_net", "--linear-attention-freq": 2,
                        "--linear-num-key-heads": 2, "--linear-num-value-heads": 4})
     case.joinpath("model_config.yaml").write_text(json.dumps({"MODEL_ARGS": model_args}))
+    # The packages a GPU host is counted with: those Megatron-LM's own pyproject.toml lists.
+    tree.joinpath("pyproject.toml").write_text('[project.optional-dependencies]\n'
+                                               'ssm = ["flash-linear-attention==0.5.1"]\n')
     tiny = " ".join(launch.TINY_MODEL + ["--micro-batch-size", "1", "--train-iters", "4", "--lr", "1e-3"])
     for example in ("gpt3/train_gpt3_175b_distributed.sh", "llama/train_llama3_8b_h100_fp8.sh",
                     "mixtral/train_mixtral_8x7b_distributed.sh"):  # the three scripts it reads, accepted
