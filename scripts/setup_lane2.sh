@@ -54,6 +54,7 @@ install_lane2() {
     install_nvrx &&
     "${pip[@]}" megatron-core tensorstore isal google-crc32c numpy packaging matplotlib einops \
       pytest pytest-xdist tensorboard fusepy tokenizers sentencepiece transformers tiktoken &&
+    "${pip[@]}" wandb &&  # --wandb-project (tests/test_wandb.py)
     "$LANE2_VENV/bin/python" -m pip check
 }
 

@@ -211,6 +211,9 @@ def test_a_problem_upstream_no_longer_has_makes_its_patch_stand_down_with_one_li
         f"[resil] patch: megatron-core {version}: 'TensorBoard not imported by megatron.core.timers without "
         "--tensorboard-dir' stood down: megatron.core.timers was imported before patches.install(); every "
         "process imports TensorBoard at start-up (about 0.15 s)",
+        f"[resil] patch: megatron-core {version}: 'W&B not imported by megatron-core without --wandb-project' "
+        "stood down: megatron.core.timers was imported before patches.install(); every process imports wandb "
+        "at start-up (about 0.5-1 s)",
         f"[resil] patch: megatron-core {version}: 'dp_reshardable padding saved as zeros' stood down: "
         "DistributedOptimizer has no sharded_param_state_dp_reshardable (no dp_reshardable format)",
         "installed"]
