@@ -13,6 +13,7 @@ import subprocess
 import sys
 import zlib
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -156,3 +157,30 @@ def test_what_wandb_cannot_do_is_refused_in_one_line(extra, hide, names, tmp_pat
 def test_an_empty_project_means_no_wandb_as_in_megatron_lm():
     args = parse_args([*_BASE, "--wandb-project", ""], world_size=1)
     assert args.wandb_project is None
+
+
+def test_without_tensorboard_dir_wandb_gets_what_megatron_lm_logs_outside_its_tensorboard_block(
+        tmp_path, monkeypatch):
+    """Megatron-LM logs the per-step scalars and the validation loss to W&B inside its TensorBoard block:
+    without --tensorboard-dir a run gets only the iteration time and the MTP losses there. One process
+    (rank 0 of 1: the last rank), the logger given two steps' reports as training.StepReport has them."""
+    from megatron_resil.train_log import TrainLogger
+
+    for name, value in {**_wandb_env(tmp_path), "WANDB_CONSOLE": "off"}.items():
+        if name.startswith("WANDB_"):
+            monkeypatch.setenv(name, value)
+    monkeypatch.setenv("RANK", "0")
+    args = parse_args([*_BASE, "--wandb-project", "p", "--save", str(tmp_path / "ckpt"),
+                       "--log-interval", "2", "--log-timers-to-tensorboard"], world_size=1)
+    logger = TrainLogger(args)
+    for iteration in (1, 2):
+        report = SimpleNamespace(loss=5.0 - iteration, grad_norm=1.0, updated=True, loss_scale=1.0,
+                                 global_batch_size=2, num_zeros=None, params_norm=None,
+                                 moe_losses={"load_balancing_loss": 0.5, "mtp_1 loss": 4.5 - iteration})
+        logger.training_step(iteration, 2 * iteration, 1e-3, report)
+    logger.validation(2, 3.25, 4)
+    logger.close()
+    (run_file,) = (tmp_path / "ckpt" / "wandb").glob("wandb/offline-run-*/run-*.wandb")  # <save>/wandb
+    history = {step: {k for k in row if not k.startswith("_")} for step, row in
+               _history(wandb_records(run_file)).items()}
+    assert history == {1: {"mtp_1 loss"}, 2: {"mtp_1 loss", "iteration-time"}}, history
