@@ -180,6 +180,9 @@ def test_without_tensorboard_dir_wandb_gets_what_megatron_lm_logs_outside_its_te
         logger.training_step(iteration, 2 * iteration, 1e-3, report)
     logger.validation(2, 3.25, 4)
     logger.close()
+    import wandb
+
+    wandb.teardown()  # its service closes the run's file (wandb.finish() may return before it is flushed)
     (run_file,) = (tmp_path / "ckpt" / "wandb").glob("wandb/offline-run-*/run-*.wandb")  # <save>/wandb
     history = {step: {k for k in row if not k.startswith("_")} for step, row in
                _history(wandb_records(run_file)).items()}
