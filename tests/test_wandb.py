@@ -169,6 +169,8 @@ def test_without_tensorboard_dir_wandb_gets_what_megatron_lm_logs_outside_its_te
     for name, value in {**_wandb_env(tmp_path), "WANDB_CONSOLE": "off"}.items():
         if name.startswith("WANDB_"):
             monkeypatch.setenv(name, value)
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("RANK", "0")
     args = parse_args([*_BASE, "--wandb-project", "p", "--save", str(tmp_path / "ckpt"),
                        "--log-interval", "2", "--log-timers-to-tensorboard"], world_size=1)
