@@ -33,7 +33,8 @@ setup(
         # GPT2BPETokenizer (--vocab-file, --merge-file); SentencePieceTokenizer (--tokenizer-model);
         # HuggingFaceTokenizer (megatron-core's runs transformers' AutoTokenizer); TikTokenizer
         "tokenizers": ["tokenizers>=0.20", "sentencepiece>=0.2", "transformers>=4.45", "tiktoken>=0.7"],
+        "wandb": ["wandb"],  # --wandb-project (Megatron-LM's training extra installs it)
         "test": ["pytest>=8", "pytest-xdist>=3.5", "tensorboard", "ruff", "fusepy>=3.0.1",
-                 "tokenizers>=0.20", "sentencepiece>=0.2", "transformers>=4.45", "tiktoken>=0.7"],
+                 "tokenizers>=0.20", "sentencepiece>=0.2", "transformers>=4.45", "tiktoken>=0.7", "wandb"],
     },
 )

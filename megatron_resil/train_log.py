@@ -151,38 +151,70 @@ def _gated_delta_net(args: argparse.Namespace, layers: int) -> tuple[int, float]
 
 
 class _Writers:
-    """TensorBoard and Weights & Biases on rank 0 (where the iteration line is printed), or neither."""
+    """TensorBoard on rank 0 (where the iteration line is printed); Weights & Biases, as Megatron-LM, on the
+    last rank (which holds the same reported values: training.StepReport)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.tensorboard = self.wandb = None
-        if not parallel.is_rank0():
-            return
-        if args.tensorboard_dir:
+        # Megatron-LM logs the per-step and validation scalars to W&B inside its TensorBoard block: only
+        # with --tensorboard-dir. The timers, throughput and multi-token prediction losses go there anyway.
+        self.wandb_scalars = args.tensorboard_dir is not None
+        if parallel.is_rank0() and args.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tensorboard = SummaryWriter(log_dir=args.tensorboard_dir,
                                              max_queue=args.tensorboard_queue_size)
-        if args.wandb_project:
-            import wandb
+        if args.wandb_project and parallel.rank() == args.world_size - 1:
+            self.wandb = _wandb_run(args)
 
-            save_dir = args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else None)
-            self.wandb = wandb.init(project=args.wandb_project, name=args.wandb_exp_name,
-                                    entity=args.wandb_entity, dir=save_dir, config=vars(args))
-
-    def scalar(self, name: str, value: float, iteration: int, samples: int | None = None) -> None:
-        """`name` at the iteration, and `name vs samples` at the consumed samples, as Megatron-LM writes."""
+    def scalar(self, name: str, value: float, iteration: int, samples: int | None = None,
+               wandb: bool | None = None) -> None:
+        """`name` at the iteration, and `name vs samples` at the consumed samples, as Megatron-LM writes;
+        to W&B as well where Megatron-LM logs it there (`wandb`; default: with --tensorboard-dir)."""
         if self.tensorboard is not None:
             self.tensorboard.add_scalar(name, value, iteration)
             if samples is not None:
                 self.tensorboard.add_scalar(f"{name} vs samples", value, samples)
-        if self.wandb is not None:
+        if self.wandb is not None and (self.wandb_scalars if wandb is None else wandb):
             self.wandb.log({name: value}, step=iteration)
+
+    def wandb_only(self, name: str, value: float, iteration: int) -> None:
+        """A value Megatron-LM logs to W&B alone (not TensorBoard), with the per-step scalars."""
+        if self.wandb is not None and self.wandb_scalars:
+            self.wandb.log({name: value}, step=iteration)
+
+    def wandb_module(self):
+        """The wandb module where this rank logs to W&B (its current run is ours), else None."""
+        if self.wandb is None:
+            return None
+        import wandb
+
+        return wandb
 
     def close(self) -> None:
         if self.tensorboard is not None:
             self.tensorboard.close()
+            self.tensorboard = None
         if self.wandb is not None:
             self.wandb.finish()
+            self.wandb = None
+
+
+def _wandb_run(args: argparse.Namespace):
+    """Megatron-LM's wandb.init: files under --wandb-save-dir (default <save>/wandb), the run named
+    --wandb-exp-name in --wandb-project (and --wandb-entity), every argument as its config, plus the Slurm
+    job's name. wandb itself reads WANDB_MODE (offline, disabled), WANDB_API_KEY, WANDB_DIR and the rest."""
+    import wandb
+
+    save_dir = args.wandb_save_dir or os.path.join(args.save, "wandb")
+    os.makedirs(save_dir, exist_ok=True)
+    kwargs = {"dir": save_dir, "name": args.wandb_exp_name, "project": args.wandb_project,
+              "config": vars(args)}
+    if args.wandb_entity:
+        kwargs["entity"] = args.wandb_entity
+    run = wandb.init(**kwargs)
+    run.config.update({"slurm_job_name": os.getenv("SLURM_JOB_NAME", "N/A")})
+    return run
 
 
 class TrainLogger:
@@ -224,13 +256,13 @@ class TrainLogger:
                 f" consumed samples: {consumed_samples:12d} |"
                 f" elapsed time per iteration (ms): {1000.0 * per_iteration:.1f} |")
         if args.log_timers_to_tensorboard:
-            self.writers.scalar("iteration-time", per_iteration, iteration)
+            self.writers.scalar("iteration-time", per_iteration, iteration, wandb=True)
         if args.log_throughput:
             throughput = floating_point_operations(args, batch_size) / (
                 max(per_iteration, 1e-9) * 10**12 * args.world_size)
             line += f" throughput per GPU (TFLOP/s/GPU): {throughput:.1f} |"
             if args.log_timers_to_tensorboard:
-                self.writers.scalar("throughput", throughput, iteration)
+                self.writers.scalar("throughput", throughput, iteration, wandb=True)
         line += (f" learning rate: {lr:.6E} |"
                  f" global batch size: {batch_size:5d} |"
                  f" lm loss: {loss:.6E} |"
@@ -254,11 +286,12 @@ class TrainLogger:
     def _scalars(self, iteration: int, samples: int, lr: float, report) -> None:
         """Megatron-LM's TensorBoard scalars of a step, under its names."""
         args, write = self.args, self.writers.scalar
+        self.writers.wandb_only("samples vs steps", samples, iteration)
         write("learning-rate", lr, iteration, samples)
         write("batch-size", report.global_batch_size, iteration, samples)
         write("lm loss", report.loss, iteration, samples)
-        for name, value in report.moe_losses.items():
-            write(name, value, iteration)
+        for name, value in report.moe_losses.items():  # megatron-core logs MTP's to W&B in any case
+            write(name, value, iteration, wandb=True if name.startswith("mtp_") else None)
         if args.log_loss_scale_to_tensorboard:
             write("loss-scale", report.loss_scale, iteration, samples)
         if args.log_world_size_to_tensorboard:
@@ -270,10 +303,10 @@ class TrainLogger:
             write("params-norm", report.params_norm, iteration, samples)
         if self.memory:
             stats = torch.cuda.memory_stats()
-            write("mem-reserved-bytes", stats["reserved_bytes.all.current"], iteration)
-            write("mem-allocated-bytes", stats["allocated_bytes.all.current"], iteration)
-            write("mem-max-allocated-bytes", stats["allocated_bytes.all.peak"], iteration)
-            write("mem-allocated-count", stats["allocation.all.current"], iteration)
+            write("mem-reserved-bytes", stats["reserved_bytes.all.current"], iteration, wandb=False)
+            write("mem-allocated-bytes", stats["allocated_bytes.all.current"], iteration, wandb=False)
+            write("mem-max-allocated-bytes", stats["allocated_bytes.all.peak"], iteration, wandb=False)
+            write("mem-allocated-count", stats["allocation.all.current"], iteration, wandb=False)
 
     def _log_timers(self, iteration: int) -> None:
         """Megatron-LM's timer block (min and max over ranks, ms per iteration). Collective: every rank."""
@@ -283,6 +316,9 @@ class TrainLogger:
         if self.args.log_timers_to_tensorboard:
             self.timers.write(self.timer_names, self.writers.tensorboard, iteration, normalizer=interval,
                               reset=False)
+            if self.args.wandb_project:  # megatron-core's Timers.write logs to W&B given the wandb module
+                self.timers.write(self.timer_names, self.writers.wandb_module(), iteration,
+                                  normalizer=interval, reset=False)
         text = self.timers.get_all_timers_string(self.timer_names, normalizer=interval, reset=True,
                                                  barrier=False)
         if text and parallel.is_rank0():
@@ -294,7 +330,7 @@ class TrainLogger:
                 f" lm loss PPL: {ppl:.6E} | ")
         self.writers.scalar("lm loss validation", loss, iteration, consumed_samples)
         if self.args.log_validation_ppl_to_tensorboard:
-            self.writers.scalar("lm loss validation ppl", ppl, iteration, consumed_samples)
+            self.writers.scalar("lm loss validation ppl", ppl, iteration, consumed_samples, wandb=False)
         if parallel.is_rank0():
             bar = "-" * len(text)
             print(f"{bar}\n{text}\n{bar}", flush=True)

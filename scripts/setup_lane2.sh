@@ -51,6 +51,7 @@ install_lane2() {
   pip=("$LANE2_VENV/bin/python" -m pip install --quiet --disable-pip-version-check -c "$LANE2_CONSTRAINTS")
   { [ -x "$LANE2_VENV/bin/python" ] || "$py" -m venv "$LANE2_VENV"; } &&
     "${pip[@]}" torch &&
+    "${pip[@]}" wandb &&  # --wandb-project (tests/test_wandb.py)
     install_nvrx &&
     "${pip[@]}" megatron-core tensorstore isal google-crc32c numpy packaging matplotlib einops \
       pytest pytest-xdist tensorboard fusepy tokenizers sentencepiece transformers tiktoken &&

@@ -7,6 +7,7 @@ patch stand down with one line."""
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import json
 import subprocess
 import sys
@@ -211,6 +212,9 @@ def test_a_problem_upstream_no_longer_has_makes_its_patch_stand_down_with_one_li
         f"[resil] patch: megatron-core {version}: 'TensorBoard not imported by megatron.core.timers without "
         "--tensorboard-dir' stood down: megatron.core.timers was imported before patches.install(); every "
         "process imports TensorBoard at start-up (about 0.15 s)",
+        f"[resil] patch: megatron-core {version}: 'W&B not imported by megatron-core without "
+        "--wandb-project' stood down: megatron.core.timers was imported before patches.install(); every "
+        "process imports wandb at start-up (about 0.5-1 s)",
         f"[resil] patch: megatron-core {version}: 'dp_reshardable padding saved as zeros' stood down: "
         "DistributedOptimizer has no sharded_param_state_dp_reshardable (no dp_reshardable format)",
         "installed"]
@@ -256,9 +260,10 @@ def test_an_optimizer_built_and_stepped_imports_no_dynamo_until_something_else_d
     assert "Optimizer.add_param_group'" in cached  # not called since: still ours, harmless
 
 
-def test_tensorboard_is_imported_only_by_runs_that_write_to_it():
-    """Without --tensorboard-dir megatron-core's timers take their ImportError fallback and nothing imports
-    TensorBoard; with it, the timers get the real SummaryWriter their write() checks against."""
+def test_tensorboard_and_wandb_are_imported_only_by_runs_that_write_to_them():
+    """Without --tensorboard-dir (--wandb-project) megatron-core's timers take their ImportError fallback and
+    nothing imports TensorBoard (wandb, where it is installed); with it, the timers get the real
+    SummaryWriter (wandb module) their write() checks against."""
     code = textwrap.dedent("""
         import sys
         import megatron_resil
@@ -269,13 +274,18 @@ def test_tensorboard_is_imported_only_by_runs_that_write_to_it():
         import megatron.core
         from megatron.core import timers
         print("imported:", "torch.utils.tensorboard" in sys.modules, "class:", timers.SummaryWriter)
+        print("wandb:", "wandb" in sys.modules, timers.wandb is not None)
     """)
     tiny = [*launch.TINY_MODEL, "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3",
             "--mock-data"]
-    for extra, imported in (([], False), (["--tensorboard-dir", "/nonexistent/tb"], True)):
+    wandb = importlib.util.find_spec("wandb") is not None
+    for extra, imported in (([], False), (["--tensorboard-dir", "/nonexistent/tb", "--wandb-project", "p",
+                                           "--save", "/nonexistent/ckpt"] if wandb else
+                                          ["--tensorboard-dir", "/nonexistent/tb"], True)):
         result = subprocess.run([sys.executable, "-c", code, *tiny, *extra], env=launch.env(),
                                 cwd=launch.REPO, timeout=180, capture_output=True, text=True)
         assert result.returncode == 0, result.stdout + result.stderr
-        shown = result.stdout.splitlines()[-1]
+        shown, wandb_shown = result.stdout.splitlines()[-2:]
         assert shown.startswith(f"imported: {imported} "), shown
         assert ("SummaryWriter'>" in shown) == imported, shown
+        assert wandb_shown == f"wandb: {imported and wandb} {imported and wandb}", wandb_shown

@@ -33,7 +33,8 @@ FLAGS = (
     Flag("--log-validation-ppl-to-tensorboard", help="write validation perplexity to TensorBoard"),
     Flag("--no-log-loss-scale-to-tensorboard", True, help="do not write the loss scale to TensorBoard"),
     Flag("--log-world-size-to-tensorboard", help="write the world size to TensorBoard"),
-    Flag("--wandb-project", None, str, "Weights & Biases project: log there too (rank 0 of the last stage)"),
+    Flag("--wandb-project", None, str, "Weights & Biases project: log there too (from the last rank; what "
+                                       "Megatron-LM logs: the per-step scalars with --tensorboard-dir)"),
     Flag("--wandb-exp-name", None, str, "the run's name in Weights & Biases"),
     Flag("--wandb-entity", None, str, "the Weights & Biases team or user"),
     Flag("--wandb-save-dir", None, str, "where Weights & Biases keeps its files (default: <save>/wandb)"),
@@ -56,3 +57,9 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         raise ArgumentError("--wandb-project needs the wandb package: pip install wandb")
     if args.wandb_project == "":
         args.wandb_project = None  # Megatron-LM: an empty project means no Weights & Biases
+    if args.wandb_project and args.wandb_exp_name == "":
+        raise ArgumentError("--wandb-exp-name is empty: name the run, or leave the flag out for W&B's name")
+    if args.wandb_project and not args.wandb_save_dir and not args.save:
+        raise ArgumentError("--wandb-project needs --wandb-save-dir or --save (its files go to <save>/wandb)")
+    if args.wandb_project and args.wandb_save_dir and os.path.isfile(args.wandb_save_dir):
+        raise ArgumentError(f"--wandb-save-dir {args.wandb_save_dir} is a file; give a directory")

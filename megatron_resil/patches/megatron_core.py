@@ -11,7 +11,17 @@ import importlib.machinery
 import sys
 from collections.abc import Callable
 
-from megatron_resil.patches import STAND_DOWN, Has, NotImported, Patch, Says, Takes, _resolve, _source_on_disk
+from megatron_resil.patches import (
+    STAND_DOWN,
+    AnyOf,
+    Has,
+    NotImported,
+    Patch,
+    Says,
+    Takes,
+    _resolve,
+    _source_on_disk,
+)
 
 PACKAGE = "megatron-core"
 WRITTEN_FOR = ">=0.16.1,<0.20"
@@ -71,9 +81,10 @@ class _DeferCompileLoader(importlib.abc.Loader):
             torch.compile = real_compile
 
 
-class _WithoutTensorBoardLoader(importlib.abc.Loader):
-    """Runs megatron.core.timers' module code with torch.utils.tensorboard unimportable, so that it takes
-    its own fallback (`SummaryWriter = None`); torch.utils.tensorboard imports as ever afterwards."""
+class _WithoutOptionalImportsLoader(importlib.abc.Loader):
+    """Runs a megatron-core module's code with the optional modules it imports (_WITHOUT[its name]:
+    torch.utils.tensorboard, wandb) unimportable, so that it takes its own ImportError fallbacks
+    (`SummaryWriter = None`, `wandb = None`); they import as ever afterwards."""
 
     def __init__(self, loader) -> None:
         self.loader = loader
@@ -82,14 +93,15 @@ class _WithoutTensorBoardLoader(importlib.abc.Loader):
         return self.loader.create_module(spec)
 
     def exec_module(self, module) -> None:
-        blocked = _TENSORBOARD not in sys.modules
-        if blocked:
-            sys.modules[_TENSORBOARD] = None  # an import of it raises ImportError
+        blocked = [name for name in _WITHOUT[module.__name__] if name not in sys.modules]
+        for name in blocked:
+            sys.modules[name] = None  # an import of it raises ImportError
         try:
             self.loader.exec_module(module)
         finally:
-            if blocked and sys.modules.get(_TENSORBOARD, False) is None:
-                del sys.modules[_TENSORBOARD]
+            for name in blocked:
+                if sys.modules.get(name, False) is None:
+                    del sys.modules[name]
 
 
 class _LoaderHook(importlib.abc.MetaPathFinder):
@@ -127,13 +139,41 @@ _TENSORBOARD = "torch.utils.tensorboard"
 _TIMERS = "megatron.core.timers"
 
 
+_WANDB = "wandb"
+# 0.16.1's megatron.core imports its dynamic inference context (through inference_params), which imports wandb
+_DYNAMIC_CONTEXT = "megatron.core.inference.contexts.dynamic_context"
+_WITHOUT: dict[str, list[str]] = {}  # module -> the optional modules its code runs without (records add)
+
+
+def _without(module: str, optional: str) -> None:
+    if module not in _WITHOUT:
+        _WITHOUT[module] = []
+        sys.meta_path.insert(0, _LoaderHook(module, _WithoutOptionalImportsLoader))
+    _WITHOUT[module].append(optional)
+
+
 def _timers_without_tensorboard() -> None:
-    sys.meta_path.insert(0, _LoaderHook(_TIMERS, _WithoutTensorBoardLoader))
+    _without(_TIMERS, _TENSORBOARD)
+
+
+def _without_wandb() -> None:
+    _without(_TIMERS, _WANDB)
+    if _context_imports_wandb():
+        _without(_DYNAMIC_CONTEXT, _WANDB)
+
+
+def _context_imports_wandb() -> bool:
+    return "\n    import wandb  # pylint: disable=unused-import\n" in _source_on_disk(_DYNAMIC_CONTEXT)
 
 
 def _no_tensorboard_dir(args) -> bool:
     # With a writer, Timers.write's `isinstance(writer, SummaryWriter)` needs the real class.
     return args is None or not getattr(args, "tensorboard_dir", None)
+
+
+def _no_wandb_project(args) -> bool:
+    # With W&B, Timers.write's `writer == wandb` needs the real module (train_log.py passes it).
+    return args is None or not getattr(args, "wandb_project", None)
 
 
 # ---- the MoE router's GEMM without Transformer Engine ---------------------------------------------------
@@ -370,6 +410,25 @@ PATCHES = (
         apply=_timers_without_tensorboard,
         on_mismatch=STAND_DOWN, without="every process imports TensorBoard at start-up (about 0.15 s)",
         when=_no_tensorboard_dir,
+        first=True,
+    ),
+    Patch(
+        name="W&B not imported by megatron-core without --wandb-project",
+        package=PACKAGE, written_for=WRITTEN_FOR,
+        target=f"{_TIMERS}:wandb",
+        why="megatron.core imports its timers (and 0.16's its dynamic inference context), which import "
+            "wandb where it is installed (Megatron-LM's training extra installs it: about 0.5-1 s and 300 "
+            "modules of every rank's start-up and restart) for a module a run without --wandb-project never "
+            "uses; their own ImportError fallbacks are taken instead",
+        checks=(NotImported(_TIMERS), NotImported(_DYNAMIC_CONTEXT),
+                Says(_TIMERS, "try:\n    import wandb\nexcept ImportError:\n    wandb = None", on_disk=True),
+                Says(_TIMERS, "wandb", count=4, on_disk=True),  # none used but in write()
+                # 0.16: wandb for HAVE_WANDB and a type hint only; 0.19: not at all
+                AnyOf((Says(_DYNAMIC_CONTEXT, "wandb", count=3, on_disk=True),
+                       Says(_DYNAMIC_CONTEXT, "wandb", count=0, on_disk=True)))),
+        apply=_without_wandb,
+        on_mismatch=STAND_DOWN, without="every process imports wandb at start-up (about 0.5-1 s)",
+        when=_no_wandb_project,
         first=True,
     ),
     Patch(
