@@ -152,6 +152,9 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         # same peer get crossed under the interleaved schedule at PP=2, Megatron-LM #750: refused there.)
         batch_p2p_comm=not args.overlap_p2p_comm,
         use_cpu_initialization=args.use_cpu_initialization,
+        # As Megatron-LM passes it: torch FSDP2 shards megatron-core's own linear layers separately only
+        # under Transformer Engine (inside a local layer they are already sharded with it).
+        transformer_impl=args.transformer_impl,
         **fusions(args, torch.cuda.is_available(), FusedKernels.installed()),
     )
     try:

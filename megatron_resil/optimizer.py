@@ -1,5 +1,6 @@
 """megatron-core's data-parallel engine from the command line: model chunks wrapped in its
-DistributedDataParallel, its optimizer (Adam, the distributed optimizer with --use-distributed-optimizer,
+DistributedDataParallel (or, with --use-torch-fsdp2, its TorchFullyShardedDataParallel: torch's FSDP2), its
+optimizer (Adam, the distributed optimizer with --use-distributed-optimizer,
 fp16 loss scaling, chained with the experts' optimizer under MoE) and Megatron's LR scheduler, wired into
 the pipeline schedules' hooks as Megatron-LM wires them.
 """
@@ -14,6 +15,8 @@ import torch
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
+    TorchFullyShardedDataParallel,
+    TorchFullyShardedDataParallelConfig,
     finalize_model_grads,
 )
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
@@ -44,6 +47,11 @@ def ddp_config(args: argparse.Namespace) -> DistributedDataParallelConfig:
 
 def wrap_in_ddp(chunks: list[MegatronModule], args: argparse.Namespace) -> list[DistributedDataParallel]:
     config = get_model_config(chunks[0])
+    if args.use_torch_fsdp2:
+        # As Megatron-LM: FSDP2 takes only whether to reshard after the forward pass from the DDP settings
+        # (the flag checks keep one chunk: no pipeline parallelism).
+        settings = TorchFullyShardedDataParallelConfig(reshard_after_forward=args.torch_fsdp2_reshard_after_forward)
+        return [TorchFullyShardedDataParallel(config, settings, chunk) for chunk in chunks]
     ddp = ddp_config(args)
     # As Megatron-LM: only the first chunk's buffers are split into buckets (none of them with
     # --overlap-param-gather-with-optimizer-step); the others' gradients are reduced in one piece, when their

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 
 from megatron_resil import batch_schedule
@@ -13,7 +14,7 @@ from megatron_resil.arguments.errors import ArgumentError
 from megatron_resil.arguments.flag_table import Flag, add_flags, warn
 
 TC, DDP, OC = "TransformerConfig", "DistributedDataParallelConfig", "OptimizerConfig"
-FSDP = "Megatron-FSDP and torch FSDP2 are not supported here; use --use-distributed-optimizer"
+FSDP = "Megatron-FSDP is not supported here; use --use-torch-fsdp2 or --use-distributed-optimizer"
 WITH_FSDP = "used with --use-megatron-fsdp only (not supported here), so it changes nothing without it"
 
 FLAGS = (
@@ -79,7 +80,11 @@ FLAGS = (
     Flag("--ddp-average-in-collective", to=DDP, field="average_in_collective",
          help="average gradients inside the collective instead of scaling before it"),
     Flag("--use-megatron-fsdp", refuse=FSDP),
-    Flag("--use-torch-fsdp2", refuse=FSDP),
+    Flag("--use-torch-fsdp2", help="shard parameters, gradients and optimizer state across data-parallel ranks "
+                                   "with torch's FSDP2 (fully_shard) instead of megatron-core's DDP"),
+    Flag("--torch-fsdp2-no-reshard-after-forward", True, dest="torch_fsdp2_reshard_after_forward",
+         help="with --use-torch-fsdp2, keep the gathered parameters from the forward pass to the backward "
+              "(ZeRO-2: more memory, one all-gather less)"),
     Flag("--data-parallel-sharding-strategy", "optim_grads_params", str,
          choices=("no_shard", "optim", "optim_grads", "optim_grads_params"), help=WITH_FSDP),
     Flag("--outer-dp-sharding-strategy", "no_shard", str, choices=("no_shard", "optim"), help=WITH_FSDP),
@@ -311,6 +316,8 @@ def _validate_overlap_with_optimizer_step(args: argparse.Namespace) -> None:
 
 
 def _validate_data_parallel_engine(args: argparse.Namespace) -> None:
+    if args.use_torch_fsdp2:
+        _validate_torch_fsdp2(args)
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         raise ArgumentError("--overlap-param-gather needs --use-distributed-optimizer")
     if args.overlap_param_gather and not args.overlap_grad_reduce:
@@ -356,3 +363,25 @@ def _validate_experts(args: argparse.Namespace) -> None:
         raise ArgumentError(
             f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} x "
             f"--pipeline-model-parallel-size {pp} does not divide the world size {args.world_size}")
+
+
+def _validate_torch_fsdp2(args: argparse.Namespace) -> None:
+    """Megatron-LM's checks of --use-torch-fsdp2, in its order and with its reasons."""
+    fsdp2 = "--use-torch-fsdp2"
+    for refused, reason in (
+            (args.pipeline_model_parallel_size != 1, "is not supported with pipeline parallelism; use "
+                                                     "--pipeline-model-parallel-size 1"),
+            (args.expert_model_parallel_size != 1, "is not supported with expert parallelism; use "
+                                                   "--expert-model-parallel-size 1"),
+            (args.use_distributed_optimizer, "shards the optimizer state itself: drop "
+                                             "--use-distributed-optimizer"),
+            (args.gradient_accumulation_fusion, "is not supported with gradient accumulation fusion: add "
+                                                "--no-gradient-accumulation-fusion"),
+            (args.ckpt_format != "torch_dist", f"needs --ckpt-format torch_dist, not {args.ckpt_format} "
+                                               "(Megatron-LM also takes torch_dcp, not supported here)"),
+            (not args.untie_embeddings_and_output_weights, "needs --untie-embeddings-and-output-weights"),
+            (args.fp16, "is not supported with --fp16 (as in Megatron-LM); use --bf16"),
+            (os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1",
+             "needs CUDA_DEVICE_MAX_CONNECTIONS unset or larger than 1, not 1")):
+        if refused:
+            raise ArgumentError(f"{fsdp2} {reason}")

@@ -252,6 +252,36 @@ def _own_expert_stream(saved: dict) -> dict:
     return {**saved, "rng_tracker_states": {**trackers, name: own[name]}}
 
 
+def _as_live_shards(loaded: dict, live: dict) -> dict:
+    """Under --use-torch-fsdp2 a parameter is a DTensor (torch's FSDP2 shards it over the data-parallel
+    ranks), and dist_checkpointing hands back this rank's shard of it as a plain tensor: make it the DTensor
+    it is a shard of, laid out as the live one, which the module and torch's optimizer take."""
+    from torch.distributed.tensor import DTensor
+
+    def as_live(name, value):
+        target = live.get(name)
+        if not isinstance(target, DTensor) or isinstance(value, DTensor) or not torch.is_tensor(value):
+            return value
+        return DTensor.from_local(value, target.device_mesh, target.placements, run_check=False,
+                                  shape=target.shape, stride=target.stride())
+
+    return {name: as_live(name, value) for name, value in loaded.items()}
+
+
+def _optimizer_state_as_live_shards(loaded: dict, optimizer) -> dict:
+    """The loaded state of each FSDP2 parameter (Adam's moments) as DTensors laid out as the parameter; a
+    megatron-core optimizer that is not torch's FSDP2 one is returned as loaded."""
+    state = loaded.get("state")
+    if not isinstance(state, dict) or not hasattr(optimizer, "get_parameters"):
+        return loaded
+    params = list(optimizer.get_parameters())
+    for index, param_state in state.items():
+        if isinstance(index, int) and isinstance(param_state, dict) and index < len(params):
+            live = {name: params[index] for name in param_state}
+            state[index] = _as_live_shards(param_state, live)
+    return loaded
+
+
 def restore(loaded: dict, model: list, optimizer, scheduler, *, load_optimizer: bool, load_rng: bool,
             finetune: bool, release: bool = False, half_precision: bool = False,
             rng_shape: tuple[int, ...] | None = None, partial_model: bool = False) -> TrainProgress:
@@ -269,7 +299,8 @@ def restore(loaded: dict, model: list, optimizer, scheduler, *, load_optimizer: 
     if load_optimizer:
         check_resumed_schedule(scheduler, loaded["opt_param_scheduler"])
     for key, chunk in zip(_model_keys(model), unwrap_model(model), strict=True):
-        kept = chunk.load_state_dict(loaded[key], strict=not partial_model).missing_keys
+        weights = _as_live_shards(loaded[key], chunk.state_dict(keep_vars=True))
+        kept = chunk.load_state_dict(weights, strict=not partial_model).missing_keys
         kept = [name for name in kept if not name.endswith("._extra_state")]  # TE's, rebuilt as it runs
         # the one line for every strictness mode that loads around them (log_*, return_*, ignore_all)
         if kept:
@@ -295,7 +326,7 @@ def restore(loaded: dict, model: list, optimizer, scheduler, *, load_optimizer: 
     if load_optimizer:
         runtime_lrs = [(group.get("max_lr"), group.get("min_lr")) for group in optimizer.param_groups]
         with torch.no_grad():  # the distributed optimizer copies into views of fp32 parameters
-            optimizer.load_state_dict(loaded["optimizer"])
+            optimizer.load_state_dict(_optimizer_state_as_live_shards(loaded["optimizer"], optimizer))
             if torch_format.PARAMETER_STATE in loaded:  # --ckpt-format torch: distrib_optim.pt
                 torch_format.load_parameter_state(optimizer, loaded[torch_format.PARAMETER_STATE])
         scheduler.load_state_dict(loaded["opt_param_scheduler"])

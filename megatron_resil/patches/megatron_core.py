@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import importlib.abc
 import importlib.machinery
+import inspect
 import sys
 from collections.abc import Callable
 
@@ -370,6 +371,55 @@ def _rerun_classes_loadable_weights_only() -> None:
     torch.serialization.add_safe_globals([getattr(rerun_state_machine, name) for name in _RERUN_CLASSES])
 
 
+# ---- the optimizer's state matched to FSDP2's parameters ------------------------------------------------
+
+_DIST_OPTIMIZER_CKPT = "megatron.core.dist_checkpointing.optimizer"
+
+
+def _uses_torch_fsdp2(args) -> bool:
+    return args is None or getattr(args, "use_torch_fsdp2", False)
+
+
+def _to_local_returns_the_shard() -> str | None:
+    from torch.distributed.tensor import DTensor
+
+    if "view_as(" not in inspect.getsource(DTensor.to_local):
+        return "torch's DTensor.to_local() returns a parameter's own local shard"
+    return None
+
+
+def _optimizer_params_by_local_shard() -> None:
+    from torch.distributed.tensor import DTensor
+
+    def get_optim_param_to_id_map(optim_params_iter):
+        ids = {}
+        for index, param in enumerate(optim_params_iter):
+            ids.setdefault(id(param._local_tensor if isinstance(param, DTensor) else param), index)
+        return ids
+
+    _resolve(_DIST_OPTIMIZER_CKPT).get_optim_param_to_id_map = get_optim_param_to_id_map
+
+
+_TORCH_FSDP = "megatron.core.distributed.torch_fully_sharded_data_parallel:TorchFullyShardedDataParallel"
+
+
+def _fsdp2_takes_force_all_reduce() -> str | None:
+    if "force_all_reduce" in inspect.signature(_resolve(_TORCH_FSDP).finish_grad_sync).parameters:
+        return "its TorchFullyShardedDataParallel.finish_grad_sync takes force_all_reduce"
+    return None
+
+
+def _fsdp2_finish_grad_sync() -> None:
+    fsdp = _resolve(_TORCH_FSDP)
+    finish = fsdp.finish_grad_sync
+
+    def finish_grad_sync(self, force_all_reduce: bool = False):
+        # FSDP2 reduce-scatters each gradient in the backward pass: nothing is left to force.
+        return finish(self)
+
+    fsdp.finish_grad_sync = finish_grad_sync
+
+
 PATCHES = (
     Patch(
         name="torch.compile deferred in megatron.core.jit",
@@ -592,5 +642,34 @@ PATCHES = (
             Takes(f"{_RERUN}:RerunStateMachine._maybe_report_stats", ("self",)),
             Says(f"{_RERUN}:RerunStateMachine", "self._maybe_report_stats()"),
         ),
+    ),
+    Patch(
+        name="optimizer state matched to FSDP2 parameters' local shards",
+        package=PACKAGE, written_for=WRITTEN_FOR,
+        target=f"{_DIST_OPTIMIZER_CKPT}:get_optim_param_to_id_map",
+        why="it matches each optimizer parameter to the model's ShardedTensor by id(to_local(param)), the "
+            "model's being param._local_tensor; torch 2.13's to_local() of a Parameter(DTensor) is a fresh "
+            "view (pytorch gh-166156), so no parameter matches and saving the optimizer under "
+            "--use-torch-fsdp2 raises 'Param id 0 does not match any model sharded param'",
+        checks=(
+            Says(f"{_DIST_OPTIMIZER_CKPT}:get_optim_param_to_id_map", "param = to_local_if_dtensor(param)"),
+            Says(f"{_DIST_OPTIMIZER_CKPT}:get_param_id_to_sharded_param_map", "id(ten.data) in param_to_id_map"),
+            Says("megatron.core.utils:make_tp_sharded_tensor_for_checkpoint", "tensor = tensor._local_tensor"),
+        ),
+        apply=_optimizer_params_by_local_shard, not_needed=_to_local_returns_the_shard,
+        when=_uses_torch_fsdp2,
+    ),
+    Patch(
+        name="FSDP2's finish_grad_sync takes force_all_reduce",
+        package=PACKAGE, written_for=WRITTEN_FOR,
+        target=f"{_TORCH_FSDP}.finish_grad_sync",
+        why="finalize_model_grads calls model_chunk.finish_grad_sync(force_all_reduce=...), which 0.16's "
+            "TorchFullyShardedDataParallel (the base class's no-op) does not take: TypeError at the first "
+            "step under --use-torch-fsdp2 (0.19 adds the parameter)",
+        checks=(Says("megatron.core.distributed.finalize_model_grads:finalize_model_grads",
+                     "finish_grad_sync(force_all_reduce=force_all_reduce)"),
+                Takes(f"{_TORCH_FSDP}.finish_grad_sync", ("self",))),
+        apply=_fsdp2_finish_grad_sync, not_needed=_fsdp2_takes_force_all_reduce, not_needed_on=">=0.19",
+        when=_uses_torch_fsdp2,
     ),
 )

@@ -304,6 +304,30 @@ def _moe_split_sizes_on_host() -> None:
     token_dispatcher.maybe_move_tensor_to_cpu = to_host
 
 
+# ---- FSDP2's device mesh ----------------------------------------------------------------------------------
+
+_TORCH_FSDP = "megatron.core.distributed.torch_fully_sharded_data_parallel"
+
+
+def _fsdp2_used_without_cuda(args: argparse.Namespace | None) -> bool:
+    return without_cuda(args) and (args is None or getattr(args, "use_torch_fsdp2", False))
+
+
+class _HostDeviceMesh:
+    """torch's DeviceMesh as TorchFullyShardedDataParallel sees it: a mesh asked for on 'cuda' is on the CPU,
+    where gloo shards, gathers and reduces the parameters."""
+
+    @staticmethod
+    def from_group(group, device_type: str, *args, **kwargs):
+        from torch.distributed import DeviceMesh
+
+        return DeviceMesh.from_group(group, "cpu" if device_type == "cuda" else device_type, *args, **kwargs)
+
+
+def _fsdp2_mesh_on_host() -> None:
+    importlib.import_module(_TORCH_FSDP).DeviceMesh = _HostDeviceMesh
+
+
 _TP_RANDOM = "megatron.core.tensor_parallel.random"
 _CUDA = ("synchronize", "current_device", "empty_cache", "get_rng_state", "set_rng_state")
 
@@ -366,5 +390,17 @@ PATCHES = (
             Has("megatron.core.transformer.moe.token_dispatcher:maybe_move_tensor_to_cpu"),
         ),
         apply=_moe_split_sizes_on_host, when=without_cuda,
+    ),
+    Patch(
+        name="FSDP2's device mesh on the host",
+        package=PACKAGE, written_for=WRITTEN_FOR,
+        target=f"{_TORCH_FSDP}:DeviceMesh",
+        why="TorchFullyShardedDataParallel builds its mesh with DeviceMesh.from_group(group, 'cuda'), and "
+            "fully_shard places the parameters on the mesh's device: without CUDA it raises; torch's FSDP2 "
+            "itself runs on a CPU mesh over gloo",
+        checks=(Has(f"{_TORCH_FSDP}:DeviceMesh"),
+                Says(f"{_TORCH_FSDP}:TorchFullyShardedDataParallel.__init__",
+                     'DeviceMesh.from_group(self.process_group, "cuda")')),
+        apply=_fsdp2_mesh_on_host, when=_fsdp2_used_without_cuda,
     ),
 )
