@@ -268,17 +268,23 @@ def _as_live_shards(loaded: dict, live: dict) -> dict:
     return {name: as_live(name, value) for name, value in loaded.items()}
 
 
-def _optimizer_state_as_live_shards(loaded: dict, optimizer) -> dict:
-    """The loaded state of each FSDP2 parameter (Adam's moments) as DTensors laid out as the parameter; a
-    megatron-core optimizer that is not torch's FSDP2 one is returned as loaded."""
-    state = loaded.get("state")
-    if not isinstance(state, dict) or not hasattr(optimizer, "get_parameters"):
+def _optimizer_state_as_live_shards(loaded, optimizer):
+    """The loaded state of each FSDP2 parameter (Adam's moments, and the fp32 main copies under --bf16) as
+    DTensors laid out as the live ones. Any other optimizer's state is returned as loaded."""
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    if len(chained) != 1 or not isinstance(loaded, dict):  # FSDP2 builds one optimizer (no experts)
         return loaded
-    params = list(optimizer.get_parameters())
-    for index, param_state in state.items():
-        if isinstance(index, int) and isinstance(param_state, dict) and index < len(params):
-            live = {name: params[index] for name in param_state}
-            state[index] = _as_live_shards(param_state, live)
+    inner = chained[0]
+    torch_state = loaded.get("optimizer", loaded)  # megatron-core's fp16/bf16 optimizer nests torch's
+    params = [param for group in inner.optimizer.param_groups for param in group["params"]]
+    for index, param_state in torch_state.get("state", {}).items():
+        if isinstance(index, int) and isinstance(param_state, dict):
+            torch_state["state"][index] = _as_live_shards(param_state, dict.fromkeys(param_state, params[index]))
+    main_params = getattr(inner, "fp32_from_float16_groups", None)
+    if main_params is not None and "fp32_from_fp16_params" in loaded:
+        loaded["fp32_from_fp16_params"] = [
+            list(_as_live_shards(dict(enumerate(saved)), dict(enumerate(live))).values())
+            for saved, live in zip(loaded["fp32_from_fp16_params"], main_params, strict=True)]
     return loaded
 
 
