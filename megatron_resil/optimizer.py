@@ -50,7 +50,8 @@ def wrap_in_ddp(chunks: list[MegatronModule], args: argparse.Namespace) -> list[
     if args.use_torch_fsdp2:
         # As Megatron-LM: FSDP2 takes only whether to reshard after the forward pass from the DDP settings
         # (the flag checks keep one chunk: no pipeline parallelism).
-        settings = TorchFullyShardedDataParallelConfig(reshard_after_forward=args.torch_fsdp2_reshard_after_forward)
+        settings = TorchFullyShardedDataParallelConfig(
+            reshard_after_forward=args.torch_fsdp2_reshard_after_forward)
         return [TorchFullyShardedDataParallel(config, settings, chunk) for chunk in chunks]
     ddp = ddp_config(args)
     # As Megatron-LM: only the first chunk's buffers are split into buckets (none of them with

@@ -12,7 +12,6 @@ of the flag refuse what it refuses, in one line.
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
 from torch.distributed.checkpoint import FileSystemReader

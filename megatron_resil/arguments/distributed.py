@@ -80,8 +80,8 @@ FLAGS = (
     Flag("--ddp-average-in-collective", to=DDP, field="average_in_collective",
          help="average gradients inside the collective instead of scaling before it"),
     Flag("--use-megatron-fsdp", refuse=FSDP),
-    Flag("--use-torch-fsdp2", help="shard parameters, gradients and optimizer state across data-parallel ranks "
-                                   "with torch's FSDP2 (fully_shard) instead of megatron-core's DDP"),
+    Flag("--use-torch-fsdp2", help="shard parameters, gradients and optimizer state across data-parallel "
+                                   "ranks with torch's FSDP2 (fully_shard) instead of megatron-core's DDP"),
     Flag("--torch-fsdp2-no-reshard-after-forward", True, dest="torch_fsdp2_reshard_after_forward",
          help="with --use-torch-fsdp2, keep the gathered parameters from the forward pass to the backward "
               "(ZeRO-2: more memory, one all-gather less)"),

@@ -279,7 +279,8 @@ def _optimizer_state_as_live_shards(loaded, optimizer):
     params = [param for group in inner.optimizer.param_groups for param in group["params"]]
     for index, param_state in torch_state.get("state", {}).items():
         if isinstance(index, int) and isinstance(param_state, dict):
-            torch_state["state"][index] = _as_live_shards(param_state, dict.fromkeys(param_state, params[index]))
+            live = dict.fromkeys(param_state, params[index])
+            torch_state["state"][index] = _as_live_shards(param_state, live)
     main_params = getattr(inner, "fp32_from_float16_groups", None)
     if main_params is not None and "fp32_from_fp16_params" in loaded:
         loaded["fp32_from_fp16_params"] = [

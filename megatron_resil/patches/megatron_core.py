@@ -653,8 +653,10 @@ PATCHES = (
             "--use-torch-fsdp2 raises 'Param id 0 does not match any model sharded param'",
         checks=(
             Says(f"{_DIST_OPTIMIZER_CKPT}:get_optim_param_to_id_map", "param = to_local_if_dtensor(param)"),
-            Says(f"{_DIST_OPTIMIZER_CKPT}:get_param_id_to_sharded_param_map", "id(ten.data) in param_to_id_map"),
-            Says("megatron.core.utils:make_tp_sharded_tensor_for_checkpoint", "tensor = tensor._local_tensor"),
+            Says(f"{_DIST_OPTIMIZER_CKPT}:get_param_id_to_sharded_param_map",
+                 "id(ten.data) in param_to_id_map"),
+            Says("megatron.core.utils:make_tp_sharded_tensor_for_checkpoint",
+                 "tensor = tensor._local_tensor"),
         ),
         apply=_optimizer_params_by_local_shard, not_needed=_to_local_returns_the_shard,
         when=_uses_torch_fsdp2,
