@@ -16,6 +16,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.timers import Timers
 from megatron.core.transformer.module import param_is_not_shared
+from torch.distributed.tensor import DTensor
 
 from megatron_resil import events, parallel
 
@@ -46,6 +47,8 @@ def params_l2_norm(chunks: list, bf16: bool) -> float:
     """Megatron-LM's calc_params_l2_norm: every weight counted once (tensor-parallel copies and shared
     embeddings skipped), the distributed optimizer's fp32 shards where they exist under bf16, summed over
     the data-parallel ranks for those shards and over the model-parallel ranks (experts over theirs).
+    Under --use-torch-fsdp2 each rank's shards of the weights are summed over the data-parallel ranks too,
+    so the norm is the whole model's, as without FSDP2 (Megatron-LM's counts only the local shards).
     Collective on every rank."""
     dense, dense_sharded, expert, expert_sharded = [], [], [], []
     for chunk in chunks:
@@ -56,7 +59,9 @@ def params_l2_norm(chunks: list, bf16: bool) -> float:
             if not is_expert and not param_is_not_shared(param):
                 continue
             data, sharded = param.data.float(), False
-            if bf16 and hasattr(param, "main_param"):
+            if isinstance(param, DTensor):  # --use-torch-fsdp2: this rank's shard of the weight
+                data, sharded = param.to_local().float(), True
+            elif bf16 and hasattr(param, "main_param"):
                 sharded = getattr(param, "main_param_sharded", False)
                 data = param.main_param
                 if data is None:
