@@ -43,7 +43,8 @@ def _run_ok(args: list[str]) -> str:
 @pytest.mark.compat
 def test_fsdp2_run_resumed_from_its_checkpoint_continues_exactly_as_the_uninterrupted_one(tmp_path):
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    job = ["--bf16", "--async-save", "--save-interval", "2"]
+    # As the functional tests: bf16, async saves, the parameter norm and the gradient's zeros logged.
+    job = ["--bf16", "--async-save", "--save-interval", "2", "--log-params-norm", "--log-num-zeros-in-grad"]
     out_whole = _run_ok(_base(*job, "--save", str(whole)))
 
     # Each of the two ranks wrote its own half of every weight: FSDP2 sharded them.
