@@ -81,9 +81,12 @@ GPT2_FILES = {"--vocab-file": '{"<|endoftext|>": 0}', "--merge-file": "#version:
 # distillation, Megatron-LM's --export-* flags); and a command line Megatron-LM's own parser refuses as its
 # test harness passes it is not one a user can run there either.
 OTHER_PROGRAMS = {"--export-kd-cfg", "--export-kd-teacher-load", "--export-te-mcore-model"}
+# (the flag refused, words of our refusal line) -> why Megatron-LM refuses the same command line
 MEGATRON_LM_REFUSES = {
-    "--hierarchical-context-parallel-sizes": "its harness passes '2 2' as one word, and Megatron-LM's "
-                                             "argparse (nargs='+', type=int) refuses it as we do",
+    ("--hierarchical-context-parallel-sizes", "invalid int value"):
+        "its harness passes '2 2' as one word, and Megatron-LM's argparse (nargs='+', type=int) refuses it",
+    ("--use-torch-fsdp2", "needs --untie-embeddings-and-output-weights"):
+        "its validate_args asserts '--use-torch-fsdp2 requires --untie-embeddings-and-output-weights'",
 }
 _FLAG = re.compile(r"--[a-zA-Z0-9][a-zA-Z0-9_-]*")
 _VAR = re.compile(r"\$\{(\w+)\}|\$(\w+)")
@@ -393,8 +396,13 @@ def _out_of_scope(verdict: Verdict) -> str | None:
         return None
     if all(f in OTHER_PROGRAMS for f, _ in refused):
         return "ModelOpt distillation (a feature of another program)"
-    reasons = {MEGATRON_LM_REFUSES[f] for f, _ in refused if f in MEGATRON_LM_REFUSES}
-    if reasons and all(f in MEGATRON_LM_REFUSES or any(g in line for g in MEGATRON_LM_REFUSES)
+    def megatron_lm_refuses(flag: str, line: str) -> str | None:
+        return next((why for (key, words), why in MEGATRON_LM_REFUSES.items()
+                     if flag == key and words in line), None)
+
+    reasons = {why for f, line in refused for why in [megatron_lm_refuses(f, line)] if why}
+    # a flag refused only because one Megatron-LM refuses was dropped (its line names it) counts with it
+    if reasons and all(megatron_lm_refuses(f, line) or any(key in line for key, _ in MEGATRON_LM_REFUSES)
                        for f, line in refused):
         return "Megatron-LM refuses it too: " + "; ".join(sorted(reasons))
     return None
