@@ -165,7 +165,8 @@ def _validate_optimizer(args: argparse.Namespace) -> None:
                             "optimizers); use --bf16")
     if args.ckpt_format != "torch_dist":
         raise ArgumentError(f"--optimizer muon with --ckpt-format {args.ckpt_format}: Muon's optimizer "
-                            "state saves with --ckpt-format torch_dist only (as in Megatron-LM)")
+                            "state saves with --ckpt-format torch_dist only (Megatron-LM: torch or "
+                            "torch_dist); use --ckpt-format torch_dist")
     if args.muon_num_ns_steps < 1:
         raise ArgumentError(f"--muon-num-ns-steps {args.muon_num_ns_steps} must be at least 1")
     types = muon_coefficient_types()
