@@ -43,15 +43,18 @@ MUON = ["--optimizer", "muon", "--muon-momentum", "0.9", "--muon-extra-scale-fac
 MODES = {
     # ..._torch_dist_muon: plain Muon, each rank stepping every parameter
     "muon": [*MUON, "--check-weight-hash-across-dp-replicas-interval", "1"],
-    # ..._torch_dist_dist_muon: the layer-wise distributed optimizer on Megatron-LM's legacy layout (each
-    # rank steps whole parameters of its own and all-gathers them; uneven pieces, which gloo needs padded),
-    # here by its deprecated name
-    "dist_muon": ["--optimizer", "dist_muon", "--muon-momentum", "0.9", "--muon-extra-scale-factor", "0.2",
-                  "--no-use-layer-wise-param-layout"],
-    # ..._torch_dist_dist_muon_param_layout: the layer-wise optimizer on shard-aligned DDP buffers (whole
-    # Muon matrices per data-parallel shard), the other parameters in a distributed optimizer
-    "dist_muon_param_layout": [*MUON, "--use-distributed-optimizer"],
+    # ..._torch_dist_dist_muon_param_layout: the layer-wise distributed optimizer on shard-aligned DDP
+    # buffers (whole Muon matrices per data-parallel shard), the other parameters in a distributed optimizer
+    "distributed": [*MUON, "--use-distributed-optimizer"],
+    # ..._torch_dist_dist_muon: the layer-wise optimizer on Megatron-LM's legacy layout (each rank steps
+    # whole parameters of its own and all-gathers them in uneven pieces, which gloo needs padded), here by
+    # the deprecated name
+    "legacy_layout": ["--optimizer", "dist_muon", "--muon-momentum", "0.9", "--muon-extra-scale-factor",
+                      "0.2", "--no-use-layer-wise-param-layout"],
 }
+# Within the second lane's CI budget: the first two. The legacy layout's checkpoint is the layer-wise
+# optimizer's of the first and the Adam state of the second; it runs with `pytest -m slow` on that lane.
+IN_CI = ("muon", "distributed")
 
 
 def _argv(*extra: str) -> list[str]:
@@ -65,9 +68,9 @@ def _run_ok(args: list[str]) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.compat
 @needs_muon
-@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("mode", [pytest.param(mode, marks=pytest.mark.compat) if mode in IN_CI else mode
+                                  for mode in MODES])
 def test_muon_saved_and_resumed_through_torch_dist_continues_exactly(mode, tmp_path):
     common = _argv(*MOE, *MODES[mode], "--save-interval", str(K))
     full_dir, resumed_dir = tmp_path / "full", tmp_path / "resumed"
@@ -134,3 +137,22 @@ def test_muon_is_refused_in_one_line_naming_what_is_needed(name, capsys):
         f"pretrain.py: error: --optimizer {name} needs megatron-core 0.19 or later and the "
         f"emerging_optimizers package, which needs Python 3.12 or later ({'; '.join(lacking)}): pip install "
         "emerging-optimizers==0.3.0 on Python 3.12, or use adam or sgd"]
+
+
+@pytest.mark.slow
+@needs_muon
+def test_layer_wise_muon_resumes_from_the_node_local_tier(tmp_path):
+    """The node-local tier (--non-persistent-ckpt-type local) keeps the layer-wise optimizer's state too:
+    a job whose persistent directory is empty resumes from the local checkpoint and continues as the
+    uninterrupted job did (iteration K+2 on is where a lost momentum would show)."""
+    n, k = 5, 3
+    local = ["--non-persistent-ckpt-type", "local", "--non-persistent-local-ckpt-dir",
+             str(tmp_path / "local"), "--non-persistent-save-interval", str(k), "--save-interval", "100"]
+    common = [*launch.TINY_MODEL, *launch.TINY_TRAINING, "--train-iters", str(n), *MOE,
+              *MODES["distributed"], *local]
+    full = launch.losses(_run_ok([*common, "--save", str(tmp_path / "first")]))
+    out = _run_ok([*common, "--save", str(tmp_path / "second"), "--load", str(tmp_path / "second")])
+    assert f"at iteration {k} (local tier" in out, out[-3000:]
+    resumed = launch.losses(out)
+    assert sorted(resumed) == list(range(k + 1, n + 1)), out[-3000:]
+    assert resumed == {i: full[i] for i in resumed}
