@@ -3,8 +3,9 @@ the rest); with --use-distributed-optimizer, or by its deprecated name dist_muon
 distributed optimizer. Where the stack has it (megatron-core 0.19 and emerging_optimizers, which needs
 Python 3.12: the second lane) a tiny MoE with expert parallelism 2 trains with it, saves through the
 torch_dist global tier, and a job resumed from the saved iteration prints the same losses and grad norms
-as the uninterrupted one, which it cannot without Muon's momentum (saved in the checkpoint). Where the
-stack lacks it (the first lane) the command line is refused in one line naming what is needed.
+as the uninterrupted one, which it cannot without Muon's momentum (saved in the checkpoint); the node-local
+tier resumes the layer-wise optimizer the same way. Where the stack lacks it (the first lane) the command
+line is refused in one line naming what is needed.
 """
 
 from __future__ import annotations
