@@ -114,12 +114,23 @@ def test_muon_arguments_take_megatron_lms_meanings_and_defaults(capsys):
     assert (config.muon_momentum, config.muon_tp_mode, config.muon_extra_scale_factor,
             config.muon_split_qkv) == (0.9, "duplicated", 0.2, True)
 
+
+@pytest.mark.compat
+@needs_muon
+@pytest.mark.parametrize("flags, start", [
+    (("--muon-coefficient-type", "cubic"),
+     "--muon-coefficient-type cubic: the installed emerging_optimizers has simple, quintic"),
+    (("--muon-scalar-optimizer", "lion", "--use-distributed-optimizer"),  # megatron-core can train, not save
+     "--muon-scalar-optimizer lion with --use-distributed-optimizer: "),
+    (("--fp16",), "--optimizer muon does not support --fp16"),
+    (("--ckpt-format", "zarr"), "--optimizer muon with --ckpt-format zarr: "),
+])
+def test_what_megatron_cores_muon_cannot_do_is_refused_in_one_line(flags, start, capsys):
     with pytest.raises(SystemExit) as stop:
-        parse_args(_argv("--optimizer", "muon", "--muon-coefficient-type", "cubic"), world_size=2)
+        parse_args(_argv("--optimizer", "muon", *flags), world_size=2)
     assert stop.value.code == 2
     line, = capsys.readouterr().err.splitlines()
-    assert line.startswith("pretrain.py: error: --muon-coefficient-type cubic: the installed "
-                           "emerging_optimizers has simple, quintic"), line
+    assert line.startswith(f"pretrain.py: error: {start}"), line
 
 
 @pytest.mark.skipif(not MISSING, reason="this stack has megatron-core 0.19 and emerging_optimizers: "

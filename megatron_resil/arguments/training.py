@@ -173,6 +173,13 @@ def _validate_optimizer(args: argparse.Namespace) -> None:
     if types and args.muon_coefficient_type not in types:
         raise ArgumentError(f"--muon-coefficient-type {args.muon_coefficient_type}: the installed "
                             f"emerging_optimizers has {', '.join(types)}")
+    if (args.muon_scalar_optimizer == "lion" and args.use_layer_wise_distributed_optimizer
+            and args.use_layer_wise_param_layout):
+        raise ArgumentError("--muon-scalar-optimizer lion with --use-distributed-optimizer: Lion's "
+                            "parameters would live in megatron-core's distributed optimizer, whose "
+                            "checkpoint reads Adam's per-parameter step, which Lion does not keep "
+                            "(megatron-core 0.19); use --muon-scalar-optimizer adam, or add "
+                            "--no-use-layer-wise-param-layout")
     if args.use_layer_wise_distributed_optimizer and args.num_distributed_optimizer_instances > 1:
         raise ArgumentError("--num-distributed-optimizer-instances > 1 is not supported with --optimizer "
                             "muon --use-distributed-optimizer (megatron-core's layer-wise optimizer shards "
