@@ -45,6 +45,12 @@ def exit_without_teardown(code: int) -> None:
     is decided: a launcher's SIGTERM, sent because a peer rank exited a moment earlier, would only replace
     it with "killed by SIGTERM" on the launcher's report."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # What the interpreter does first at exit: the threading module's exit hooks (they stop the idle
+    # workers of concurrent.futures executors nobody shut down, such as torch.compile's, used by
+    # --muon-scalar-optimizer lion), then the joins. Joining those workers alone waits forever.
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None:
+        shutdown()
     for thread in threading.enumerate():
         if thread is not threading.current_thread() and not thread.daemon:
             thread.join()

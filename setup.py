@@ -30,6 +30,9 @@ setup(
     extras_require={
         "gpu": ["transformer-engine[pytorch]"],
         "tensorboard": ["tensorboard"],
+        # --optimizer muon: megatron-core's Muon (0.19 and later) needs it; it publishes for Python 3.12 and
+        # later only, so on 3.10 and 3.11 the extra installs nothing and --optimizer muon is refused.
+        "muon": ["emerging-optimizers>=0.2,<0.4; python_version >= '3.12'"],
         # GPT2BPETokenizer (--vocab-file, --merge-file); SentencePieceTokenizer (--tokenizer-model);
         # HuggingFaceTokenizer (megatron-core's runs transformers' AutoTokenizer); TikTokenizer
         "tokenizers": ["tokenizers>=0.20", "sentencepiece>=0.2", "transformers>=4.45", "tiktoken>=0.7"],

@@ -1,8 +1,8 @@
 """megatron-core's data-parallel engine from the command line: model chunks wrapped in its
 DistributedDataParallel (or, with --use-torch-fsdp2, its TorchFullyShardedDataParallel: torch's FSDP2), its
-optimizer (Adam, the distributed optimizer with --use-distributed-optimizer,
-fp16 loss scaling, chained with the experts' optimizer under MoE) and Megatron's LR scheduler, wired into
-the pipeline schedules' hooks as Megatron-LM wires them.
+optimizer (Adam, the distributed optimizer with --use-distributed-optimizer, fp16 loss scaling, chained
+with the experts' optimizer under MoE; Muon, layer-wise distributed with --use-distributed-optimizer) and
+Megatron's LR scheduler, wired into the pipeline schedules' hooks as Megatron-LM wires them.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
@@ -54,19 +55,52 @@ def wrap_in_ddp(chunks: list[MegatronModule], args: argparse.Namespace) -> list[
             reshard_after_forward=args.torch_fsdp2_reshard_after_forward)
         return [TorchFullyShardedDataParallel(config, settings, chunk) for chunk in chunks]
     ddp = ddp_config(args)
+    layouts = [None] * len(chunks)
+    if args.use_layer_wise_distributed_optimizer and args.use_layer_wise_param_layout:
+        layouts = layer_wise_param_layouts(chunks, ddp)
     # As Megatron-LM: only the first chunk's buffers are split into buckets (none of them with
     # --overlap-param-gather-with-optimizer-step); the others' gradients are reduced in one piece, when their
     # last backward ends.
     every_chunk_whole = args.overlap_param_gather_with_optimizer_step
-    return [DistributedDataParallel(config, ddp, chunk, disable_bucketing=index > 0 or every_chunk_whole)
+    return [DistributedDataParallel(config, ddp, chunk, disable_bucketing=index > 0 or every_chunk_whole,
+                                    **({"full_param_layout": layout} if layout is not None else {}))
+            for index, (chunk, layout) in enumerate(zip(chunks, layouts, strict=True))]
+
+
+def layer_wise_param_layouts(chunks: list[MegatronModule], ddp: DistributedDataParallelConfig) -> list:
+    """Muon with --use-distributed-optimizer, as Megatron-LM's wrap_model_chunks_with_ddp lays it out
+    (unless --no-use-layer-wise-param-layout): each chunk's Muon-managed matrices in buffers whose
+    data-parallel shards hold whole parameters (Newton-Schulz needs the whole matrix), the other
+    parameters in the distributed optimizer's byte-sharded buffers; DDP reduce-scatters both. The
+    bucket size is the one DDP will use (its default, none without --overlap-grad-reduce, and none for
+    chunks after the first or on later pipeline stages)."""
+    from megatron.core.optimizer.layer_wise_optimizer import (
+        LayerWiseDistributedOptimizer,
+        tag_params_for_buffer_routing,
+    )
+
+    ddp.use_distributed_optimizer = True  # the reduce-scatter into shards, and the buffers' padding
+    tag_params_for_buffer_routing(chunks)
+    dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    bucket_size = ddp.bucket_size if ddp.bucket_size is not None else max(40_000_000, 1_000_000 * dp_size)
+    if not ddp.overlap_grad_reduce or parallel_state.get_pipeline_model_parallel_rank() > 0:
+        bucket_size = None
+    return [LayerWiseDistributedOptimizer.compute_full_param_layout(
+                [p for p in chunk.parameters() if p.requires_grad], bucket_size if index == 0 else None,
+                dp_size, ddp,
+                expert_data_parallel_world_size=parallel_state.get_expert_data_parallel_world_size())
             for index, chunk in enumerate(chunks)]
 
 
 def optimizer_config(args: argparse.Namespace, timers=None) -> OptimizerConfig:
-    """The table rows that go to it (learning rates, Adam's and SGD's settings, loss scaling, counting the
-    zeros in the gradients), and the rest."""
+    """The table rows that go to it (learning rates, Adam's, SGD's and Muon's settings, loss scaling,
+    counting the zeros in the gradients), and the rest."""
+    # megatron-core 0.19's field; an older one is refused --optimizer muon (arguments/training.py).
+    layer_wise = {"use_layer_wise_distributed_optimizer": args.use_layer_wise_distributed_optimizer} \
+        if "use_layer_wise_distributed_optimizer" in config_fields("OptimizerConfig") else {}
     return OptimizerConfig(
         **config_kwargs(args, FLAGS, "OptimizerConfig"),
+        **layer_wise,
         optimizer=args.optimizer,
         bf16=args.bf16,
         fp16=args.fp16,

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create (or reuse) the second lane's virtual environment: Python 3.12, torch 2.13.0, megatron-core 0.19.2,
-# NVRx 0.7.0 (the stack our users run; README, "Support matrix"). Sourced by scripts/test_lane2.sh.
+# NVRx 0.7.0 and emerging-optimizers 0.3.0 (megatron-core's Muon; Python 3.12 and later only): the stack
+# our users run (README, "Support matrix"). Sourced by scripts/test_lane2.sh.
 #
 # The venv lives outside the checkout (default ~/.cache/megatron-resil/lane2, or RESIL_LANE2_VENV) so that
 # fresh clones on one machine share it: its torch is the registry's CUDA build for Python 3.12 (4.7 GB,
@@ -53,8 +54,8 @@ install_lane2() {
     "${pip[@]}" torch &&
     "${pip[@]}" wandb &&  # --wandb-project (tests/test_wandb.py)
     install_nvrx &&
-    "${pip[@]}" megatron-core tensorstore isal google-crc32c numpy packaging matplotlib einops \
-      pytest pytest-xdist tensorboard fusepy tokenizers sentencepiece transformers tiktoken &&
+    "${pip[@]}" megatron-core emerging-optimizers tensorstore isal google-crc32c numpy packaging matplotlib \
+      einops pytest pytest-xdist tensorboard fusepy tokenizers sentencepiece transformers tiktoken &&
     "$LANE2_VENV/bin/python" -m pip check
 }
 

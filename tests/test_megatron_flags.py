@@ -244,7 +244,7 @@ def _refused(argv: list[str], capsys, world_size: int = 1) -> str:
 
 @pytest.mark.parametrize("flags, named", [
     (("--use-megatron-fsdp",), "--use-megatron-fsdp"),
-    (("--optimizer", "muon"), "--optimizer muon"),
+    (("--optimizer", "soap"), "--optimizer soap"),
     (("--experimental-attention-variant", "gated_delta_net"), "--experimental-attention-variant"),
     (("--tokenizer-type", "BertWordPieceCase", "--vocab-size", "128"), "BertWordPieceCase is not built here"),
     (("--no-position-embedding",), "--no-position-embedding"),

@@ -318,7 +318,8 @@ def _validate_overlap_with_optimizer_step(args: argparse.Namespace) -> None:
 def _validate_data_parallel_engine(args: argparse.Namespace) -> None:
     if args.use_torch_fsdp2:
         _validate_torch_fsdp2(args)
-    if args.overlap_param_gather and not args.use_distributed_optimizer:
+    if args.overlap_param_gather and not (args.use_distributed_optimizer
+                                          or args.use_layer_wise_distributed_optimizer):
         raise ArgumentError("--overlap-param-gather needs --use-distributed-optimizer")
     if args.overlap_param_gather and not args.overlap_grad_reduce:
         raise ArgumentError("--overlap-param-gather needs --overlap-grad-reduce")

@@ -4,14 +4,18 @@ names and defaults)."""
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib.metadata
+import importlib.util
 import itertools
+import os
+import sys
 
 from megatron_resil import batch_schedule
 from megatron_resil.arguments.errors import ArgumentError
-from megatron_resil.arguments.flag_table import Flag, add_flags
+from megatron_resil.arguments.flag_table import Flag, add_flags, config_fields, warn
 
 OC = "OptimizerConfig"
-NOT_HERE = "not supported here (see README, 'Flags of Megatron-LM that are not here')"
 
 FLAGS = (
     Flag("--micro-batch-size", None, int),
@@ -33,7 +37,8 @@ FLAGS = (
     Flag("--seed", 1234, int),
     Flag("--optimizer", "adam", str, choices=("adam", "sgd", "muon", "dist_muon", "lion", "soap",
                                               "adaptive_muon"),
-         help="adam or sgd (Megatron-LM's emerging optimizers are not supported here)"),
+         help="adam, sgd or muon (megatron-core's Muon: needs the emerging_optimizers package; "
+              "dist_muon is Megatron-LM's deprecated name of muon with --use-distributed-optimizer)"),
     Flag("--lr", None, float, to=OC),
     Flag("--min-lr", 0.0, float, to=OC),
     Flag("--decoupled-lr", None, float, "learning rate of the input and output layers (default: --lr)",
@@ -62,11 +67,30 @@ FLAGS = (
     Flag("--adam-beta2", 0.999, float, to=OC),
     Flag("--adam-eps", 1e-8, float, to=OC),
     Flag("--sgd-momentum", 0.9, float, "momentum of --optimizer sgd", to=OC),
-    *(Flag(name, default, type_, refuse=NOT_HERE) for name, default, type_ in (
-        ("--muon-momentum", 0.9, float), ("--muon-extra-scale-factor", 1.0, float),
-        ("--muon-scale-mode", "spectral", str))),
+    # Muon (megatron-core's TensorParallelMuon on the 2-D weights, --muon-scalar-optimizer on the rest)
+    Flag("--muon-momentum", 0.9, float, "momentum of --optimizer muon", to=OC),
+    Flag("--muon-no-split-qkv", True, dest="muon_split_qkv", to=OC,
+         help="orthogonalize the fused query-key-value weight whole, not as its three parts"),
+    Flag("--muon-nesterov", to=OC, help="Nesterov momentum in Muon's internal SGD"),
+    Flag("--muon-scale-mode", "spectral", str, choices=("spectral", "unit_rms_norm", "shape_scaling"),
+         to=OC),
+    Flag("--muon-fp32-matmul-prec", "medium", str, choices=("low", "medium", "high"),
+         help="fp32 matmul precision of the Newton-Schulz iteration", to=OC),
+    Flag("--muon-coefficient-type", "quintic", str, "Newton-Schulz coefficients (the installed "
+         "emerging_optimizers' types, e.g. simple, quintic, polar_express, aol)", to=OC),
+    Flag("--muon-num-ns-steps", 5, int, "Newton-Schulz steps", to=OC),
+    Flag("--muon-tp-mode", "duplicated", str, choices=("blockwise", "duplicated", "distributed"),
+         help="how tensor-parallel weights are orthogonalized: blockwise (each shard), duplicated or "
+              "distributed (the whole matrix)", to=OC),
+    Flag("--muon-use-syrk", to=OC, gpu="only selects a Triton kernel for the Gram matrix"),
+    Flag("--muon-extra-scale-factor", 1.0, float, "extra scale of the Muon update", to=OC),
+    Flag("--muon-scalar-optimizer", "adam", str, choices=("adam", "lion"),
+         help="optimizer of the parameters Muon leaves out (embeddings, biases, norms)", to=OC),
+    Flag("--lion-beta1", 0.95, float, "with --muon-scalar-optimizer lion", to=OC),
+    Flag("--lion-beta2", 0.98, float, "with --muon-scalar-optimizer lion", to=OC),
     Flag("--no-use-layer-wise-param-layout", True,
-         help="used by Megatron-LM's emerging optimizers only (not supported here): changes nothing"),
+         help="muon with --use-distributed-optimizer: Megatron-LM's legacy layout (every parameter in "
+              "the layer-wise optimizer, gathered by all-gather) instead of the shard-aligned one"),
     # Loop housekeeping
     Flag("--manual-gc", help="turn off Python's automatic garbage collection; collect every "
                              "--manual-gc-interval iterations, and around evaluation and checkpoints"),
@@ -92,10 +116,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         raise ArgumentError("--micro-batch-size is required")
     if args.micro_batch_size <= 0:
         raise ArgumentError("--micro-batch-size must be positive")
-    if args.optimizer not in ("adam", "sgd"):
-        raise ArgumentError(f"--optimizer {args.optimizer}: Megatron-LM's emerging optimizers are not "
-                            "supported here yet (megatron-core's need the emerging_optimizers package, "
-                            "Python 3.12 or later); use adam or sgd")
+    _validate_optimizer(args)
     if args.lr is None:
         raise ArgumentError("--lr is required")
     if args.min_lr > args.lr:
@@ -120,6 +141,101 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     interval = args.check_weight_hash_across_dp_replicas_interval
     if interval is not None and interval <= 0:
         raise ArgumentError("--check-weight-hash-across-dp-replicas-interval must be positive")
+
+
+def _validate_optimizer(args: argparse.Namespace) -> None:
+    """Megatron-LM's emerging-optimizer rules (validate_args): Muon with --use-distributed-optimizer (or
+    by its deprecated name dist_muon) is megatron-core's layer-wise distributed optimizer, and the plain
+    distributed optimizer is off; Muon saves with torch_dist."""
+    args.use_layer_wise_distributed_optimizer = False
+    if args.optimizer in ("adam", "sgd"):
+        return
+    if args.optimizer not in ("muon", "dist_muon"):
+        raise ArgumentError(f"--optimizer {args.optimizer}: not supported here yet (of Megatron-LM's "
+                            "emerging optimizers, muon is); use adam, sgd or muon")
+    if missing := muon_support_missing():
+        raise ArgumentError(f"--optimizer {args.optimizer} needs megatron-core 0.19 or later and the "
+                            f"emerging_optimizers package, which needs Python 3.12 or later ({missing}): "
+                            "pip install emerging-optimizers==0.3.0 on Python 3.12, or use adam or sgd")
+    if args.optimizer == "dist_muon":
+        warn("--optimizer dist_muon is deprecated (as in Megatron-LM): use --optimizer muon "
+             "--use-distributed-optimizer instead")
+        args.optimizer = "muon"
+        args.use_layer_wise_distributed_optimizer = True
+    if args.use_distributed_optimizer:
+        args.use_layer_wise_distributed_optimizer = True
+        args.use_distributed_optimizer = False
+    if args.fp16:
+        raise ArgumentError("--optimizer muon does not support --fp16 (megatron-core's emerging "
+                            "optimizers); use --bf16")
+    if args.ckpt_format != "torch_dist":
+        raise ArgumentError(f"--optimizer muon with --ckpt-format {args.ckpt_format}: Muon's optimizer "
+                            "state saves with --ckpt-format torch_dist only (Megatron-LM: torch or "
+                            "torch_dist); use --ckpt-format torch_dist")
+    if args.muon_num_ns_steps < 1:
+        raise ArgumentError(f"--muon-num-ns-steps {args.muon_num_ns_steps} must be at least 1")
+    types = muon_coefficient_types()
+    if types and args.muon_coefficient_type not in types:
+        raise ArgumentError(f"--muon-coefficient-type {args.muon_coefficient_type}: the installed "
+                            f"emerging_optimizers has {', '.join(types)}")
+    if (args.muon_scalar_optimizer == "lion" and args.use_layer_wise_distributed_optimizer
+            and args.use_layer_wise_param_layout):
+        raise ArgumentError("--muon-scalar-optimizer lion with --use-distributed-optimizer: Lion's "
+                            "parameters would live in megatron-core's distributed optimizer, whose "
+                            "checkpoint reads Adam's per-parameter step, which Lion does not keep "
+                            "(megatron-core 0.19); use --muon-scalar-optimizer adam, or add "
+                            "--no-use-layer-wise-param-layout")
+    if args.use_layer_wise_distributed_optimizer and args.num_distributed_optimizer_instances > 1:
+        raise ArgumentError("--num-distributed-optimizer-instances > 1 is not supported with --optimizer "
+                            "muon --use-distributed-optimizer (megatron-core's layer-wise optimizer shards "
+                            "over the whole data-parallel group)")
+
+
+def muon_support_missing() -> str:
+    """What this installation lacks for megatron-core's Muon, as a clause ("" when nothing): a megatron-core
+    whose optimizer factory builds emerging optimizers (0.19: its OptimizerConfig has
+    use_layer_wise_distributed_optimizer) and emerging_optimizers 0.2 or later, both looked up without
+    importing them."""
+    missing = []
+    if "use_layer_wise_distributed_optimizer" not in config_fields(OC):
+        missing.append(f"installed: megatron-core {_version('megatron-core')}")
+    version = _version("emerging-optimizers")
+    if version is None:
+        missing.append("emerging_optimizers is not installed")
+    elif tuple(int(part) for part in version.split(".")[:2] if part.isdigit()) < (0, 2):
+        missing.append(f"installed: emerging-optimizers {version}, need 0.2 or later")
+    if missing:
+        missing.append(f"Python {sys.version_info.major}.{sys.version_info.minor}")
+    return "; ".join(missing)
+
+
+def muon_coefficient_types() -> tuple[str, ...]:
+    """The Newton-Schulz coefficient types of the installed emerging_optimizers (its NSCoeffT, read from
+    its source as megatron-core reads them at run time), except "custom", whose coefficient sets
+    megatron-core does not pass; () where the source does not say."""
+    spec = importlib.util.find_spec("emerging_optimizers")
+    if spec is None or not spec.submodule_search_locations:
+        return ()
+    path = os.path.join(next(iter(spec.submodule_search_locations)), "orthogonalized_optimizers",
+                        "muon_utils.py")
+    try:
+        with open(path) as source:
+            tree = ast.parse(source.read())
+    except OSError:
+        return ()
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "NSCoeffT" for t in node.targets)
+                and isinstance(node.value, ast.Subscript)):
+            names = node.value.slice.elts if isinstance(node.value.slice, ast.Tuple) else [node.value.slice]
+            return tuple(n.value for n in names if isinstance(n, ast.Constant) and n.value != "custom")
+    return ()
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 # The schedule's flags, in iterations and in samples; a run uses the unit its length is given in.

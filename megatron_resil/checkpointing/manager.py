@@ -348,7 +348,11 @@ def _non_persistent_tier(config: CheckpointConfig, layout_of_run: str) -> Checkp
 
 def parallel_layout(args: argparse.Namespace) -> str:
     """What a per-rank checkpoint depends on: the same layout, or its shards belong to other positions."""
-    optimizer = "distributed" if args.use_distributed_optimizer else "replicated"
+    optimizer = "replicated"
+    if args.use_distributed_optimizer:
+        optimizer = "distributed"
+    elif getattr(args, "use_layer_wise_distributed_optimizer", False):  # Muon's
+        optimizer = "layer-wise distributed"
     return (f"world {args.world_size}, TP {args.tensor_model_parallel_size}, "
             f"PP {args.pipeline_model_parallel_size}, "
             f"VP {args.virtual_pipeline_model_parallel_size or 1}, CP {args.context_parallel_size}, "

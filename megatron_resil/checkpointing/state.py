@@ -68,7 +68,9 @@ def sharding_metadata(args: argparse.Namespace, for_local_tier: bool = False,
     if ckpt_format == torch_format.FORMAT:
         return {"ckpt_format": torch_format.FORMAT}
     metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
-    if args.use_distributed_optimizer:
+    # Muon's layer-wise optimizer keeps its other parameters in a distributed optimizer: the same sharding
+    # type for it, as Megatron-LM records it.
+    if args.use_distributed_optimizer or getattr(args, "use_layer_wise_distributed_optimizer", False):
         fully = args.dist_ckpt_optim_fully_reshardable and not for_local_tier
         metadata["distrib_optim_sharding_type"] = "fully_reshardable" if fully else "dp_reshardable"
     return metadata

@@ -54,7 +54,7 @@ def _patch_cuda_entry_points() -> None:
 # paths we run: DDP's grad buffers and communication stream, the optimizers' status tensors and the grad
 # scaler, grad clipping, the pipeline schedules' token counters and p2p shape exchange, the rerun state
 # machine's flags, the MoE aux-loss tracker and dispatcher streams, the causal mask, and the fully
-# parallel checkpoint exchange.
+# parallel checkpoint exchange. (Muon's layer-wise optimizer: `_layer_wise_optimizer_on_host`.)
 _MODULES_CREATING_CUDA_TENSORS = (
     "megatron.core.distributed.distributed_data_parallel",
     "megatron.core.distributed.param_and_grad_buffer",
@@ -165,6 +165,67 @@ def _map_cuda_tensors_to_cpu() -> None:
     torch_on_host = _TorchOnHost()
     for name in _MODULES_CREATING_CUDA_TENSORS:
         importlib.import_module(name).torch = torch_on_host
+
+
+# ---- Muon's layer-wise distributed optimizer ---------------------------------------------------------------
+
+class _Done:
+    """The handle of a collective that has already completed."""
+
+    def wait(self, *args, **kwargs) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class _DistributedWithUnevenAllGather(types.ModuleType):
+    """`torch.distributed` whose all_gather takes pieces of different sizes, as NCCL does and gloo does
+    not: each rank's piece is padded to the largest, gathered, and cut back (then, asked for an
+    asynchronous one, a handle that is already done)."""
+
+    def __init__(self) -> None:
+        super().__init__("torch.distributed")
+
+    def __getattr__(self, name: str):
+        return getattr(torch.distributed, name)
+
+    @staticmethod
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        sizes = [piece.numel() for piece in tensor_list]
+        if len(set(sizes)) <= 1:
+            return torch.distributed.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        padded = [tensor.new_empty(max(sizes)) for _ in sizes]
+        source = tensor.new_zeros(max(sizes))
+        source[:tensor.numel()] = tensor.reshape(-1)
+        torch.distributed.all_gather(padded, source, group=group)
+        for piece, gathered, size in zip(tensor_list, padded, sizes, strict=True):
+            piece.view(-1).copy_(gathered[:size])
+        return _Done() if async_op else None
+
+
+class _TorchOnHostForLayerWise(_TorchOnHost):
+    distributed = _DistributedWithUnevenAllGather()
+
+
+def _layer_wise_optimizer_on_host() -> None:
+    # After the 'cuda' tensors record: the grad buffers' module keeps its CPU factories and streams.
+    for name in (_LAYER_WISE, _GRAD_BUFFER):
+        importlib.import_module(name).torch = _TorchOnHostForLayerWise()
+
+
+def _muon_refused() -> str | None:
+    """Why the layer-wise optimizer is never used here, or None: this megatron-core's Muon is refused."""
+    from megatron_resil.arguments.training import muon_support_missing
+
+    missing = muon_support_missing()
+    return f"--optimizer muon is refused on this installation ({missing})" if missing else None
+
+
+def _uses_layer_wise_optimizer(args: argparse.Namespace | None) -> bool:
+    # Set by the arguments' validation; --use-checkpoint-args installs the patches before it.
+    return without_cuda(args) and (args is None
+                                   or getattr(args, "use_layer_wise_distributed_optimizer", False))
 
 
 # ---- tensor.type() and tensor.cuda() inside named functions ---------------------------------------------
@@ -329,6 +390,8 @@ def _fsdp2_mesh_on_host() -> None:
 
 
 _TP_RANDOM = "megatron.core.tensor_parallel.random"
+_LAYER_WISE = "megatron.core.optimizer.layer_wise_optimizer"
+_GRAD_BUFFER = "megatron.core.distributed.param_and_grad_buffer"
 _CUDA = ("synchronize", "current_device", "empty_cache", "get_rng_state", "set_rng_state")
 
 PATCHES = (
@@ -349,6 +412,24 @@ PATCHES = (
             "`torch` whose factories make CPU tensors and whose streams are the one CPU stream",
         checks=tuple(Has(f"{name}:torch") for name in _MODULES_CREATING_CUDA_TENSORS),
         apply=_map_cuda_tensors_to_cpu, when=without_cuda,
+    ),
+    Patch(
+        name="Muon's layer-wise optimizer on the host",
+        package=PACKAGE, written_for=">=0.19,<0.20",
+        target=f"{_LAYER_WISE}:torch",
+        why="LayerWiseDistributedOptimizer (--optimizer muon --use-distributed-optimizer) makes a status "
+            "tensor on device='cuda', and under --no-use-layer-wise-param-layout it (or, with "
+            "--overlap-param-gather, the grad buffers) all-gathers each rank's parameters as pieces of "
+            "different sizes, which NCCL accepts and gloo refuses; both modules see a torch whose factories "
+            "make CPU tensors and whose all_gather pads the pieces to one size",
+        checks=(Has(f"{_LAYER_WISE}:torch"), Has(f"{_GRAD_BUFFER}:torch"),
+                Says(f"{_LAYER_WISE}:LayerWiseDistributedOptimizer.allgather_params",
+                     "torch.distributed.all_gather(gather_list, src, group=group)"),
+                Says(f"{_LAYER_WISE}:LayerWiseDistributedOptimizer.has_grad_norm_group", "device='cuda'"),
+                Says(f"{_GRAD_BUFFER}:_ParamAndGradBucketGroup.start_param_sync",
+                     "bucket.layerwise_param_flat_sizes[i]")),
+        apply=_layer_wise_optimizer_on_host, when=_uses_layer_wise_optimizer,
+        not_needed=_muon_refused, not_needed_on="<0.19",
     ),
     Patch(
         name="CPU tensors pass as CUDA inside named functions",
