@@ -273,10 +273,15 @@ def _as_live_shards(loaded: dict, live: dict) -> dict:
 def _optimizer_state_as_live_shards(loaded, optimizer):
     """The loaded state of each FSDP2 parameter (Adam's moments, and the fp32 main copies under --bf16) as
     DTensors laid out as the live ones. Any other optimizer's state is returned as loaded."""
+    from torch.distributed.tensor import DTensor
+
     chained = getattr(optimizer, "chained_optimizers", [optimizer])
     if len(chained) != 1 or not isinstance(loaded, dict):  # FSDP2 builds one optimizer (no experts)
         return loaded
     inner = chained[0]
+    if not any(isinstance(param, DTensor) for group in getattr(inner, "param_groups", ())
+               for param in group.get("params", ())):  # not FSDP2: nothing is a DTensor
+        return loaded
     torch_state = loaded.get("optimizer", loaded)  # megatron-core's fp16/bf16 optimizer nests torch's
     params = [param for group in inner.optimizer.param_groups for param in group["params"]]
     for index, param_state in torch_state.get("state", {}).items():
