@@ -105,11 +105,13 @@ TOKENIZER_STAND_IN = ("--vocab-file", "--merge-file", "--tokenizer-model", "--to
 EXAMPLES = {
     "gpt3_175b": dict(
         argv=GPT3_175B,
+        # The schedule shrunk: 2 samples a step, then 4 from the 4th sample (128 tokens of 32) on.
         set={"--tensor-model-parallel-size": "2", "--pipeline-model-parallel-size": "1",
-             "--global-batch-size": "4", "--lr-decay-iters": "4"},
-        # Not supported yet (a batch-size ramp); the script also expands its quoted value unquoted, so
-        # Megatron-LM itself receives the schedule split into words and refuses it.
-        dropped={"--step-batch-size-schedule": "not supported yet"}, gpu_only={},
+             "--step-batch-size-schedule": "0:2 128:4", "--lr-decay-iters": "4"},
+        # The script passes both; Megatron-LM refuses --global-batch-size with a schedule (so do we). It also
+        # expands the schedule unquoted, so Megatron-LM receives it split into words: passed here as one.
+        dropped={"--global-batch-size": "refused with --step-batch-size-schedule, as in Megatron-LM"},
+        gpu_only={},
         stand_ins={"--data-path": "mock data",
                    "--vocab-file/--merge-file": "GPT-2's files are not here"}),
     "llama3_8b_fp8": dict(
@@ -161,7 +163,10 @@ def cpu_command_line(name: str, tmp: Path) -> list[str]:
     for flag in TOKENIZER_STAND_IN:
         argv = _drop(argv, flag)
     argv += ["--tokenizer-type", "NullTokenizer", "--vocab-size", "128"]
-    for flag, value in {**TINY, **example["set"]}.items():
+    shrunk = {**TINY, **example["set"]}
+    if "--step-batch-size-schedule" in shrunk:
+        shrunk.pop("--global-batch-size", None)
+    for flag, value in shrunk.items():
         if not (flag == "--train-iters" and "--train-samples" in argv):  # a run in samples stays so
             argv = _set(argv, flag, value)
     places = {"ckpt": tmp / "ckpt", "tb": tmp / "tb", "cache": tmp / "cache"}
@@ -499,6 +504,7 @@ def test_the_three_example_scripts_train_4_iterations_on_cpu(tmp_path):
     assert "load_balancing_loss:" in outputs["mixtral_8x7b"]
     # --fp16 with a dynamic loss scale: Megatron-LM's adjustment, with its warning.
     assert "check_for_nan_in_loss_and_grad to False since dynamic loss scaling" in outputs["gpt3_175b"]
+    assert "global batch size 2 -> 4 at 4 consumed samples" in outputs["gpt3_175b"], outputs["gpt3_175b"]
 
 
 @pytest.mark.slow
