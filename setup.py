@@ -37,7 +37,10 @@ setup(
         # HuggingFaceTokenizer (megatron-core's runs transformers' AutoTokenizer); TikTokenizer
         "tokenizers": ["tokenizers>=0.20", "sentencepiece>=0.2", "transformers>=4.45", "tiktoken>=0.7"],
         "wandb": ["wandb"],  # --wandb-project (Megatron-LM's training extra installs it)
+        # tools/preprocess_data --split-sentences: NLTK's punkt (3.9 and later read punkt_tab, no pickles)
+        "preprocess": ["nltk>=3.9"],
         "test": ["pytest>=8", "pytest-xdist>=3.5", "tensorboard", "ruff", "fusepy>=3.0.1",
-                 "tokenizers>=0.20", "sentencepiece>=0.2", "transformers>=4.45", "tiktoken>=0.7", "wandb"],
+                 "tokenizers>=0.20", "sentencepiece>=0.2", "transformers>=4.45", "tiktoken>=0.7", "wandb",
+                 "nltk>=3.9"],
     },
 )

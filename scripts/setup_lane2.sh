@@ -55,7 +55,7 @@ install_lane2() {
     "${pip[@]}" wandb &&  # --wandb-project (tests/test_wandb.py)
     install_nvrx &&
     "${pip[@]}" megatron-core emerging-optimizers tensorstore isal google-crc32c numpy packaging matplotlib \
-      einops pytest pytest-xdist tensorboard fusepy tokenizers sentencepiece transformers tiktoken &&
+      einops pytest pytest-xdist tensorboard fusepy tokenizers sentencepiece transformers tiktoken nltk &&
     "$LANE2_VENV/bin/python" -m pip check
 }
 
