@@ -275,8 +275,7 @@ def test_sentencepiece_special_tokens_take_ids_after_the_pieces_and_split_the_te
 
 # --- a real run ---------------------------------------------------------------------------------------------
 
-@pytest.mark.slow
-@pytest.mark.compat
+@pytest.mark.slow  # first lane only (CI time): the second lane's tier runs this file's fast tests
 def test_two_ranks_train_on_fim_samples_and_resume_exactly(gpt2_files, tmp_path):
     """Two data-parallel ranks train 3 iterations on FIM samples of a preprocessed corpus, saving at 2; a
     second job resumed from that iteration-2 checkpoint prints the same loss and grad norm for iteration 3."""

@@ -79,8 +79,7 @@ def _wandb_env(tmp: Path) -> dict[str, str]:
     return env
 
 
-@pytest.mark.slow
-@pytest.mark.compat
+@pytest.mark.slow  # first lane only (CI time): the second lane's tier runs this file's fast tests
 def test_an_offline_run_logs_megatron_lms_metrics_at_its_iterations_under_the_named_dir(tmp_path):
     """2 ranks, 4 iterations, validation at 2 and 4: the run (named, in its project and entity, every
     argument in its config) is under --wandb-save-dir only, and its history has Megatron-LM's names at the
