@@ -38,6 +38,34 @@ def main() -> int:
     return pretrain(args)
 
 
+THREADS_AT_EXIT_SECS = 30.0
+
+
+def _finish_threads(limit_secs: float) -> None:
+    """What the interpreter does first at exit, bounded: the threading module's exit hooks (they stop the
+    idle workers of concurrent.futures executors nobody shut down, such as torch.compile's, used by
+    --muon-scalar-optimizer lion: joining those alone waits forever), then the joins of the non-daemon
+    threads. Run beside this thread and given `limit_secs`: a thread that never ends must not turn a decided
+    exit into a hang; it is named in one line and left to os._exit."""
+    def finish() -> None:
+        shutdown = getattr(threading, "_shutdown", None)  # Python's own exit step (3.8 and later)
+        if shutdown is not None:
+            shutdown()
+        for thread in threading.enumerate():
+            if thread is not current and thread is not finisher and not thread.daemon:
+                thread.join()
+
+    current = threading.current_thread()
+    finisher = threading.Thread(target=finish, name="resil-exit-threads", daemon=True)
+    finisher.start()
+    finisher.join(limit_secs)
+    if finisher.is_alive():
+        running = [t.name for t in threading.enumerate()
+                   if t is not current and t is not finisher and not t.daemon]
+        print(f"[resil] exit: {len(running)} thread(s) still running after {limit_secs:.0f} s "
+              f"({', '.join(running[:4])}); exiting without them", file=sys.stderr)
+
+
 def exit_without_teardown(code: int) -> None:
     """Exit as Python would, minus the interpreter's teardown of torch and megatron-core: about a second
     per rank that decides nothing (every file we write is closed by then, the event log and exit record
@@ -45,15 +73,7 @@ def exit_without_teardown(code: int) -> None:
     is decided: a launcher's SIGTERM, sent because a peer rank exited a moment earlier, would only replace
     it with "killed by SIGTERM" on the launcher's report."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    # What the interpreter does first at exit: the threading module's exit hooks (they stop the idle
-    # workers of concurrent.futures executors nobody shut down, such as torch.compile's, used by
-    # --muon-scalar-optimizer lion), then the joins. Joining those workers alone waits forever.
-    shutdown = getattr(threading, "_shutdown", None)
-    if shutdown is not None:
-        shutdown()
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    _finish_threads(THREADS_AT_EXIT_SECS)
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
