@@ -41,29 +41,21 @@ def main() -> int:
 THREADS_AT_EXIT_SECS = 30.0
 
 
-def _finish_threads(limit_secs: float) -> None:
-    """What the interpreter does first at exit, bounded: the threading module's exit hooks (they stop the
-    idle workers of concurrent.futures executors nobody shut down, such as torch.compile's, used by
-    --muon-scalar-optimizer lion: joining those alone waits forever), then the joins of the non-daemon
-    threads. Run beside this thread and given `limit_secs`: a thread that never ends must not turn a decided
-    exit into a hang; it is named in one line and left to os._exit."""
-    def finish() -> None:
-        shutdown = getattr(threading, "_shutdown", None)  # Python's own exit step (3.8 and later)
-        if shutdown is not None:
-            shutdown()
-        for thread in threading.enumerate():
-            if thread is not current and thread is not finisher and not thread.daemon:
-                thread.join()
-
-    current = threading.current_thread()
-    finisher = threading.Thread(target=finish, name="resil-exit-threads", daemon=True)
-    finisher.start()
-    finisher.join(limit_secs)
-    if finisher.is_alive():
+def _exit_anyway_after(limit_secs: float, code: int) -> threading.Timer:
+    """A decided exit never turns into a hang: if the threads are not finished after `limit_secs`, the ones
+    left are named in one line and the process exits with its code without them."""
+    def expire() -> None:
         running = [t.name for t in threading.enumerate()
-                   if t is not current and t is not finisher and not t.daemon]
+                   if t is not threading.current_thread() and not t.daemon]
         print(f"[resil] exit: {len(running)} thread(s) still running after {limit_secs:.0f} s "
-              f"({', '.join(running[:4])}); exiting without them", file=sys.stderr)
+              f"({', '.join(running[:4])}); exiting with code {code} without them",
+              file=sys.stderr, flush=True)
+        os._exit(code)
+
+    timer = threading.Timer(limit_secs, expire)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def exit_without_teardown(code: int) -> None:
@@ -73,11 +65,22 @@ def exit_without_teardown(code: int) -> None:
     is decided: a launcher's SIGTERM, sent because a peer rank exited a moment earlier, would only replace
     it with "killed by SIGTERM" on the launcher's report."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _finish_threads(THREADS_AT_EXIT_SECS)
+    code = int(code or 0)
+    deadline = _exit_anyway_after(THREADS_AT_EXIT_SECS, code)
+    # What the interpreter does first at exit: the threading module's exit hooks (they stop the idle
+    # workers of concurrent.futures executors nobody shut down, such as torch.compile's, used by
+    # --muon-scalar-optimizer lion: joining those alone waits forever), then the joins.
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    deadline.cancel()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(int(code or 0))
+    os._exit(code)
 
 
 def _code_of(stop: SystemExit) -> int:
