@@ -172,3 +172,17 @@ def mount_tmpfs(directory: Path, options: str) -> None:
                              capture_output=True, text=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
+
+
+def refused_line(argv: list[str], capsys, world_size: int = 1) -> str:
+    """The one line pretrain.py's argument checks refuse `argv` with (exit 2), parsed in this process."""
+    import pytest
+
+    from megatron_resil.arguments import parse_args
+
+    with pytest.raises(SystemExit) as stop:
+        parse_args(argv, world_size=world_size)
+    assert stop.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pretrain.py: error: "), lines
+    return lines[0]

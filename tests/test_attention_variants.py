@@ -27,6 +27,8 @@ try:
 except ImportError:  # tests/ on sys.path instead
     import launch
 
+_refused = launch.refused_line
+
 REPO = Path(__file__).resolve().parents[1]
 CORE = tuple(int(p) for p in importlib.metadata.version("megatron-core").split(".")[:2])
 
@@ -76,15 +78,6 @@ def _gpu_host(monkeypatch, packages: set[str]) -> None:
             if hasattr(module, attr):
                 monkeypatch.setattr(module, attr, lambda: True)
     monkeypatch.setattr(attention_variants, "package_available", lambda module: module in packages)
-
-
-def _refused(argv: list[str], capsys, world_size: int = 1) -> str:
-    with pytest.raises(SystemExit) as stop:
-        parse_args(argv, world_size=world_size)
-    assert stop.value.code == 2
-    lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("pretrain.py: error: "), lines
-    return lines[0]
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CPU behaviour")

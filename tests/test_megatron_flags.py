@@ -23,6 +23,8 @@ try:
 except ImportError:  # tests/ on sys.path instead
     import launch
 
+_refused = launch.refused_line
+
 REPO = Path(__file__).resolve().parents[1]
 
 # --- the example scripts' command lines, as the scripts pass them ----------------------------------------
@@ -236,15 +238,6 @@ def test_sequence_parallel_with_tp1_is_turned_off_with_megatron_lms_warning(tmp_
 
 def _base(*extra: str) -> list[str]:
     return [*launch.TINY_MODEL, *launch.TINY_TRAINING, "--train-iters", "4", *extra]
-
-
-def _refused(argv: list[str], capsys, world_size: int = 1) -> str:
-    with pytest.raises(SystemExit) as stop:
-        parse_args(argv, world_size=world_size)
-    assert stop.value.code == 2
-    lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("pretrain.py: error: "), lines
-    return lines[0]
 
 
 @pytest.mark.parametrize("flags, named", [
