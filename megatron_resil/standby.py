@@ -4,8 +4,10 @@ A rank spends most of its start-up, and of every restart, importing torch and wh
 from it (issue 26's split: 56-67% of a restart on our machines). `python -m megatron_resil.standby --name N`
 imports them once and waits. A pretrain.py started with MEGATRON_RESIL_STANDBY=N in its environment (by
 torchrun, ft_launcher, srun, after every restart) hands its command line, environment, working directory
-and standard streams to the standby, which forks a worker that runs pretrain.py with them; megatron-core
-itself, our patches and everything after are imported and decided in the worker as in any rank.
+and standard streams to the standby, which forks a worker that runs pretrain.py with them. The arguments,
+our patches and everything after are decided in the worker as in any rank; a launcher's standby also
+imports megatron-core ahead, with the first run's patches (standby_warmup.py), and serves only ranks whose
+run installs the same.
 
 The process the launcher started (the client) stays, and is the rank to everyone outside:
 - a signal it can catch (SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, SIGCONT) is handled as the
@@ -278,10 +280,12 @@ class _Served:
         self.conn.close()
 
 
-def serve(name: str, preload: tuple[str, ...] = PRELOAD, ready_fd: int | None = None) -> None:
+def serve(name: str, preload: tuple[str, ...] = PRELOAD, ready_fd: int | None = None,
+          torch_only: bool = False) -> None:
     import importlib
 
     import megatron_resil  # noqa: F401 - its import-time set-up (quiet_imports), as a rank has it
+    from megatron_resil.standby_warmup import Warmup
 
     started = time.monotonic()
     parent = os.getppid()
@@ -305,6 +309,7 @@ def serve(name: str, preload: tuple[str, ...] = PRELOAD, ready_fd: int | None = 
           f"imported); ranks started with {ENV}={name} are forked from it", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the workers die with it (parent-death signal)
     served: dict[int, _Served] = {}
+    warmup = Warmup(enabled=not torch_only)  # megatron-core too, for the first pretrain.py run's patches
     while listener is not None or served:
         if listener is not None and os.getppid() != parent:
             # No new ranks. The running ones end by themselves: their launcher watch sees the launcher
@@ -314,11 +319,11 @@ def serve(name: str, preload: tuple[str, ...] = PRELOAD, ready_fd: int | None = 
         waiting = [fd for s in served.values() for fd in (s.client_fd, s.worker_fd)]
         ready, _, _ = select.select(waiting + ([listener] if listener is not None else []), [], [], _TICK)
         if listener is not None and listener in ready:
-            _accept(listener, mine, served)
+            _accept(listener, mine, served, warmup)
         _tend(served)
 
 
-def _accept(listener: socket.socket, mine: dict, served: dict[int, _Served]) -> None:
+def _accept(listener: socket.socket, mine: dict, served: dict[int, _Served], warmup) -> None:
     conn, _ = listener.accept()
     fds: list[int] = []
     try:
@@ -331,7 +336,7 @@ def _accept(listener: socket.socket, mine: dict, served: dict[int, _Served]) -> 
             _send(conn, {"ready": True})
             raise ValueError("ping")
         why = "the rank is the standby's own worker" if pid in served else \
-            _mismatch(mine, request.get("fingerprint", {}))
+            _mismatch(mine, request.get("fingerprint", {})) or warmup.refusal(request)
         if why is not None:
             _send(conn, {"refused": why})
             raise ValueError(why)
@@ -498,16 +503,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", help=f"the name ranks find it by (default: ${ENV}; with a launcher: "
                                        "'launcher'; this process's pid is added, so each launcher on a host "
                                        "has its own)")
+    ahead = parser.add_mutually_exclusive_group()
+    ahead.add_argument("--import-megatron-core", dest="torch_only", action="store_false", default=None,
+                       help="also install the first pretrain.py run's patches and import megatron-core "
+                            "before forking ranks (the default with a launcher: its ranks are one run's); "
+                            "ranks of a run with other patches import for themselves")
+    ahead.add_argument("--torch-only", dest="torch_only", action="store_true",
+                       help="import torch only (the default without a launcher: a standby named for a node "
+                            "may serve different runs)")
     parser.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)  # written to once it serves
     args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     if "--" in argv and not command:
         parser.error("name the launcher to run after --")
     if command:
-        return _serve_then_run(f"{args.name or 'launcher'}-{os.getpid()}", command)
+        return _serve_then_run(f"{args.name or 'launcher'}-{os.getpid()}", command, bool(args.torch_only))
     args.name = args.name or os.environ.get(ENV)
     if not args.name:
         parser.error(f"--name is required (or set {ENV})")
-    serve(args.name, ready_fd=args.ready_fd)
+    serve(args.name, ready_fd=args.ready_fd, torch_only=args.torch_only is not False)
     return 0
 
 
@@ -527,13 +540,14 @@ def ranks_environment(command: list[str], env: dict[str, str] | None = None) -> 
     return env
 
 
-def _serve_then_run(name: str, command: list[str]) -> int:
+def _serve_then_run(name: str, command: list[str], torch_only: bool = False) -> int:
     """Start the standby as a process of its own (its command line names no run), wait until its socket is
     bound (its imports go on beside the launcher's start-up; ranks that come before they end wait for
     them), then become the launcher (exec): the standby's parent is then the launcher."""
     ready_r, ready_w = os.pipe()
     subprocess.Popen([sys.executable, "-m", "megatron_resil.standby", "--name", name,
-                      "--ready-fd", str(ready_w)], pass_fds=(ready_w,), env=ranks_environment(command))
+                      "--torch-only" if torch_only else "--import-megatron-core", "--ready-fd", str(ready_w)],
+                     pass_fds=(ready_w,), env=ranks_environment(command))
     os.close(ready_w)
     with os.fdopen(ready_r, "rb") as ready:
         started = ready.read(1) == b"1"  # EOF without it: the standby could not bind (its line says why)

@@ -11,11 +11,17 @@ import argparse
 import time
 from dataclasses import dataclass
 
-from megatron_resil import exit_codes, parallel, signal_handler
+from megatron_resil import exit_codes, parallel, restart_phases, signal_handler, standby
 
-# The time budget counts from process start, as Megatron's does: an in-process restart does not get a
-# fresh budget (the allocation's end does not move).
-_PROCESS_START = time.monotonic()
+
+def _process_start() -> float:
+    """When the process the launcher started began, on the monotonic clock. The time budget counts from
+    it, as Megatron's does from its process's start: an in-process restart does not get a fresh budget
+    (the allocation's end does not move), and a rank forked from a standby, which may have imported this
+    module long before, counts from its client's start."""
+    started = restart_phases.process_started_unix(standby.launched_pid())
+    now = time.monotonic()
+    return now if started is None else now - max(0.0, time.time() - started)
 
 
 @dataclass(frozen=True)
@@ -31,7 +37,7 @@ class Stop:
 class StopConditions:
     def __init__(self, args: argparse.Namespace) -> None:
         self.exit_interval = args.exit_interval
-        self.deadline = (_PROCESS_START + 60.0 * args.exit_duration_in_mins
+        self.deadline = (_process_start() + 60.0 * args.exit_duration_in_mins
                          if args.exit_duration_in_mins else None)
         self.signals = signal_handler.install_from_args(args)  # pretrain() installed it already
 

@@ -202,6 +202,9 @@ class Patch:
     without: str = ""  # what going without it costs (for STAND_DOWN records)
     when: Callable[[argparse.Namespace | None], bool] = always  # does this run use it (args None: yes)
     first: bool = False  # installed before the others are checked (they import what it must precede)
+    # Its apply binds to the process that runs it (a fork hook that knows its installer's pid): a standby
+    # that installs the others ahead for its workers leaves it to each worker (standby_warmup.py).
+    per_process: bool = False
 
 
 @dataclass
@@ -261,6 +264,10 @@ def _decide(patch: Patch) -> Decision:
 # ---- installing --------------------------------------------------------------------------------------
 
 _decided: dict[str, Decision] = {}
+# In a worker forked from a standby that installed this run's records ahead: their names, and the lines
+# the standby did not print (it was quiet); the worker says them as its own install would have.
+_ahead: frozenset[str] | None = None
+_ahead_unsaid: list[str] = []
 
 
 def registry() -> list[Patch]:
@@ -281,6 +288,14 @@ def install(args: argparse.Namespace | None = None, *, only: tuple[str, ...] | N
     """Check and apply every record this run needs (`args`: the run's arguments; None: all of them),
     once per process. `only`: just these records (a spawned helper, as its parent decided). Raises
     UpstreamMismatch (a SystemExit with code 2) after printing its one line."""
+    if only is None and _ahead is not None:
+        if wanted_ahead(args) != _ahead:  # the standby compares before it forks (standby_warmup.py)
+            raise RuntimeError(f"records installed ahead {sorted(_ahead)} are not this run's "
+                               f"{sorted(wanted_ahead(args))}")
+        while _ahead_unsaid:
+            line = _ahead_unsaid.pop(0)
+            if not quiet:
+                _say(line)
     patches = [p for p in registry() if p.name not in _decided
                and (p.name in only if only is not None else p.when(args))]
     for batch in ([p for p in patches if p.first], [p for p in patches if not p.first]):
@@ -295,6 +310,29 @@ def install(args: argparse.Namespace | None = None, *, only: tuple[str, ...] | N
             _decided[decision.patch.name] = decision
             if decision.line is not None and not quiet:
                 _say(decision.line)
+
+
+def wanted_ahead(args: argparse.Namespace) -> frozenset[str]:
+    """The records a run with `args` installs that a standby may install ahead, in its own process, for
+    the workers it forks (all but the per-process ones)."""
+    return frozenset(p.name for p in registry() if p.when(args) and not p.per_process)
+
+
+def install_ahead(args: argparse.Namespace) -> None:
+    """In a standby: install, quietly, what `wanted_ahead(args)` names, so that megatron-core can be
+    imported before any worker is forked; each worker's `install(args)` then checks that its run wants
+    the same, says the lines this one kept quiet, and installs the per-process records itself."""
+    global _ahead
+    names = wanted_ahead(args)
+    install(only=tuple(names), quiet=True)
+    _ahead = names
+    _ahead_unsaid.extend(_decided[name].line for name in _decided
+                         if name in names and _decided[name].line is not None)
+
+
+def imported_ahead() -> bool:
+    """Whether this process's records were installed ahead, by the standby it was forked from."""
+    return _ahead is not None
 
 
 def install_import_speedups() -> None:

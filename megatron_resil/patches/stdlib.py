@@ -58,5 +58,6 @@ PATCHES = (
         apply=_forks_die_with_this_process,
         on_mismatch=STAND_DOWN,
         without="a killed rank's forked helpers may outlive it",
+        per_process=True,  # armed for its installer's forks only: a standby's workers install their own
     ),
 )

@@ -1,0 +1,141 @@
+"""A standby that imports megatron-core ahead, for one run's patches (issue 26).
+
+A standby (standby.py) imports torch once per node; what was left of a restart's imports was each rank's
+own: the arguments, our patch records and megatron-core itself, about 0.55 s of CPU a rank (several ranks
+on few cores: more than a second of a restart). megatron-core can only be imported after the patch
+records that must precede it, and which records a run installs depends on its arguments
+(`--tensorboard-dir`, `--wandb-project`, the local tier, ...). So the standby waits for its first
+pretrain.py rank, reads that rank's command line as pretrain.py would (in the rank's environment and
+working directory, printing nothing), installs that run's records, imports megatron-core and our training
+modules, and only then forks the rank. Every rank of the job, and every restart, has the same arguments,
+so each is forked with all of it imported; a rank whose records would differ (another run sharing the
+standby's name) is refused and imports for itself, with the one line standby.py prints for a refusal.
+
+What is bound to a process is not done ahead: the fork hook that arms each rank's own forks
+(`Patch.per_process`) is installed by each worker, and the `--exit-duration-in-mins` budget counts from
+the start of the process the launcher started, not from this import (stop_conditions.py).
+
+`python -m megatron_resil.standby --torch-only` keeps the standby to torch, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+
+PRETRAIN = "pretrain.py"
+
+
+class Warmup:
+    """The standby's one import of megatron-core: for which records, or why not."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.key: frozenset[str] | None = None  # the records installed ahead, once warm
+        self.failed: str | None = None  # why the import ahead failed: refuse everyone after it
+
+    def refusal(self, request: dict) -> str | None:
+        """Whether the standby can serve `request`, importing ahead for it first if this is the first
+        pretrain.py run it sees. None: serve it (fork); otherwise the reason, for the client's line."""
+        if not self.enabled:
+            return None
+        if self.failed is not None:
+            return f"its import of megatron-core ahead failed ({self.failed})"
+        is_pretrain = os.path.basename(request["argv"][0]) == PRETRAIN
+        if not is_pretrain:
+            return None if self.key is None else "it has megatron-core imported for pretrain.py runs"
+        args = _parse(request)
+        if args is None or args.check_args_only:  # refused arguments: the worker says so, as a rank would
+            return None
+        from megatron_resil import patches
+
+        key = patches.wanted_ahead(args)
+        if self.key is None:
+            started = time.monotonic()
+            self.failed = _import_ahead(request, args)
+            if self.failed is not None:
+                print(f"[resil] standby: megatron-core not imported ahead: {self.failed}; the ranks import "
+                      "it themselves", flush=True)
+                return f"its import of megatron-core ahead failed ({self.failed})"
+            self.key = key
+            print(f"[resil] standby: megatron-core imported ahead in {time.monotonic() - started:.1f} s with "
+                  f"the {len(key)} patch records of the first pretrain.py run; ranks with the same records "
+                  "are forked with it", flush=True)
+            return None
+        if key != self.key:
+            differ = sorted(key ^ self.key)
+            return (f"it imported megatron-core for another run's patch records ({', '.join(differ[:3])} "
+                    f"differ{'s' if len(differ) == 1 else ''})")
+        return None
+
+
+@contextlib.contextmanager
+def _as_the_rank(request: dict):
+    """The rank's command line, environment and working directory, with nothing printed (fd level: a
+    warning from C code too); all put back after."""
+    saved_argv, saved_env, saved_cwd = list(sys.argv), dict(os.environ), os.getcwd()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved_fds = [os.dup(1), os.dup(2)]
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        sys.argv[:] = request["argv"]
+        os.environ.clear()
+        os.environ.update(request["env"])
+        # torch's CUDA check through NVML: asking the CUDA runtime would initialize it here, and a
+        # process forked after that cannot use CUDA.
+        os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+        os.chdir(request["cwd"])
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved_fds[0], 1)
+        os.dup2(saved_fds[1], 2)
+        for fd in (*saved_fds, devnull):
+            os.close(fd)
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+        sys.argv[:] = saved_argv
+
+
+def _parse(request: dict):
+    from megatron_resil.arguments import parse_args
+
+    with _as_the_rank(request):
+        try:
+            return parse_args()
+        except SystemExit:  # bad arguments: the worker prints them
+            return None
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _import_ahead(request: dict, args) -> str | None:
+    """Install the run's records and import what pretrain.py imports next; None, or why it failed."""
+    from megatron_resil import patches
+
+    threads = _threads()
+    try:
+        with _as_the_rank(request):
+            patches.install_ahead(args)
+            import torch
+
+            import megatron_resil.training  # noqa: F401 - megatron-core, NVRx, our modules
+
+            if torch.cuda.is_initialized():  # a fork could not use CUDA
+                return "CUDA was initialized while importing"
+            if _threads() > threads:  # a fork copies only the forking thread: locks held by others stay
+                return f"the imports started {_threads() - threads} thread(s)"
+    except patches.UpstreamMismatch as stop:
+        return stop.line
+    except Exception as err:  # noqa: BLE001 - the standby serves on; the ranks import and report it
+        return f"{type(err).__name__}: {err}"
+    return None
