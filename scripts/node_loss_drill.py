@@ -17,11 +17,17 @@ joins, as Slurm would give one, and ft_launcher restarts the workers. Variants:
      to an older global checkpoint, the NaN again, and a stop with exit code 8 (do not requeue).
 
     python scripts/node_loss_drill.py --variant a [--layout dp] [--workdir DIR] [--timeout SECS] [--standby]
+                                      [--keep-alive SxN]
 
 --layout picks the parallel layout of the 4 ranks (always on megatron-core's distributed optimizer, so
 each rank's shard holds the only copy of its part of the Adam state): dp (DP=4, the default), tp2-sp
 (TP=2 with sequence parallelism within a node), pp2 (two pipeline stages, one per node), pp2-interleaved,
 ep2-moe (4 experts, EP=2), tp2-pp2 (no data parallelism at all: the replicas are the only other copy).
+
+--keep-alive SxN: each launcher's rendezvous heartbeat every S seconds, a node dropped after N missed
+(`--rdzv-conf keep_alive_interval=S,keep_alive_max_attempt=N`, read by `python -m megatron_resil.ft_launcher`;
+docs/drills.md). The drill's default, 1x3, drops the lost node 2-3 s after its last heartbeat; NVRx's own,
+5x3, 10-15 s after (NVRx 0.4.1; NVRx 0.7's barrier rendezvous drops no node by heartbeat).
 
 Everything goes under --workdir (default: a new directory under the system's temp dir): the checkpoints,
 each node's launcher log, the event log, the ledger and timeline.png. The drill prints a summary (exit
@@ -76,6 +82,12 @@ MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
 TRAINING = ["--use-distributed-optimizer", "--micro-batch-size", "2", "--global-batch-size", "8",
             "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
             "--mock-data", "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1"]
+# The rendezvous keep-alive (seconds between heartbeats, missed ones before a node is dropped). NVRx's 5 s x 3
+# keeps the lost node in the round for 10-15 s after its last heartbeat, the survivors unable to start the
+# next round with the replacement: 13 of the drill's 15.7 s recovery (issue 26). 1 s x 3 drops it in 2-3 s.
+# The risk: a live launcher that cannot send a heartbeat for 3 s (a host loaded far beyond its cores, the
+# drill's two launchers sharing two cores with the ranks) is dropped too, which restarts the job.
+KEEP_ALIVE = (1, 3)
 FT = ["--ft-rank-section-timeouts", "setup:180,step:30,checkpointing:90", "--ft-rank-out-of-section-timeout",
       "120", "--ft-workload-check-interval", "1"]
 
@@ -117,8 +129,8 @@ def _signal_tree(pid: int, sig: int, include_root: bool = True) -> None:
 
 class Drill:
     def __init__(self, variant: str, work: Path, timeout: float, layout: str = "dp",
-                 standby: bool = False) -> None:
-        self.standby = standby
+                 standby: bool = False, keep_alive: tuple[int, int] = KEEP_ALIVE) -> None:
+        self.standby, self.keep_alive = standby, keep_alive
         self.variant, self.work, self.deadline = variant, work, time.monotonic() + timeout
         self.layout = layout
         self.save = work / "checkpoints"
@@ -157,9 +169,12 @@ class Drill:
         env.pop("MEGATRON_RESIL_STANDBY", None)  # --standby decides, not the caller's environment
         # --standby: each node's launcher starts with a standby of its own (docs/standby.md).
         wrapper = [sys.executable, "-m", "megatron_resil.standby", "--"] if self.standby else []
-        cmd = [*wrapper, sys.executable, "-m", "nvidia_resiliency_ext.fault_tolerance.launcher",
+        # ft_launcher, with torch's keep-alive keys read from --rdzv-conf (megatron_resil/ft_launcher.py).
+        interval, attempts = self.keep_alive
+        cmd = [*wrapper, sys.executable, "-m", "megatron_resil.ft_launcher",
                "--nnodes", str(NODES), "--nproc-per-node", str(RANKS_PER_NODE), "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", f"drill-{self.variant}",
+               "--rdzv-conf", f"keep_alive_interval={interval},keep_alive_max_attempt={attempts}",
                "--local-addr", "127.0.0.1", "--max-restarts", "4", "--ft-enable-nic-monitor", "false", *FT,
                str(REPO / "pretrain.py"), *self.pretrain_args(node)]
         log = open(self.work / log_name, "w")
@@ -352,7 +367,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--standby", action="store_true",
                         help="each node's launcher starts with a standby that has torch imported, and the "
                              "ranks are forked from it (docs/standby.md)")
+    parser.add_argument("--keep-alive", default="x".join(map(str, KEEP_ALIVE)), metavar="SxN",
+                        help="the launchers' rendezvous heartbeat every S seconds, a node dropped after N "
+                             "missed (default: %(default)s; NVRx's own: 5x3)")
     args = parser.parse_args(argv)
+    interval, _, attempts = args.keep_alive.partition("x")
+    if not (interval.isdigit() and attempts.isdigit() and int(interval) >= 1 and int(attempts) >= 1):
+        parser.error(f"--keep-alive {args.keep_alive}: give SxN, whole numbers of at least 1 (e.g. 1x3)")
     if args.workdir is None:
         work = Path(tempfile.mkdtemp(prefix=f"node-loss-drill-{args.variant}-"))
     else:
@@ -360,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         if work.exists() and (not work.is_dir() or any(work.iterdir())):
             parser.error(f"--workdir {work} exists and is not an empty directory; name a new one")
         work.mkdir(parents=True, exist_ok=True)
-    drill = Drill(args.variant, work, args.timeout, args.layout, args.standby)
+    drill = Drill(args.variant, work, args.timeout, args.layout, args.standby, (int(interval), int(attempts)))
     try:
         return drill.run()
     except DrillError as err:

@@ -5,7 +5,9 @@
 #
 # Inputs (environment): RESIL_PYTHON (python with megatron-resil), RESIL_ROOT (this checkout),
 # NNODES, NPROC_PER_NODE, RDZV_HOST, RDZV_PORT, NODE_RANK_ARGS (extra launcher flags per node),
-# MAX_RESTARTS (in-job restarts by ft_launcher, default 2), FT_LAUNCHER_ARGS (extra ft_launcher flags).
+# MAX_RESTARTS (in-job restarts by ft_launcher, default 2), FT_LAUNCHER_ARGS (extra ft_launcher flags;
+# e.g. "--rdzv-conf keep_alive_interval=2,keep_alive_max_attempt=3": docs/drills.md, "The rendezvous
+# keep-alive").
 
 : "${MAX_RESTARTS:=2}"
 
@@ -41,11 +43,15 @@ resil_check_args() {
 
 # The ft_launcher command of one node (without the pretrain.py arguments). RESIL_STANDBY=1: each node's
 # launcher starts with a standby that has torch imported, and its ranks, first and restarted, are forked
-# from it (docs/standby.md).
+# from it (docs/standby.md). megatron_resil.ft_launcher is NVRx's launcher, run unchanged, that also reads
+# torch's keep-alive keys from --rdzv-conf (NVRx 0.4.1 hard-codes 5 s x 3); without them, NVRx's defaults.
+# They are left to FT_LAUNCHER_ARGS: on a real cluster a shorter keep-alive also drops live nodes whose
+# launcher is late with a heartbeat (a loaded host, a busy store), and each heartbeat rewrites the
+# rendezvous state in the store, so the default stays NVRx's.
 resil_launcher_cmd() {
   RESIL_LAUNCHER=()
   [ "${RESIL_STANDBY:-0}" = 1 ] && RESIL_LAUNCHER=("$RESIL_PYTHON" -m megatron_resil.standby --)
-  RESIL_LAUNCHER+=("$RESIL_PYTHON" -m nvidia_resiliency_ext.fault_tolerance.launcher
+  RESIL_LAUNCHER+=("$RESIL_PYTHON" -m megatron_resil.ft_launcher
     --rdzv-backend c10d --rdzv-endpoint "$RDZV_HOST:$RDZV_PORT"
     --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" --max-restarts "$MAX_RESTARTS"
     --ft-enable-nic-monitor false ${FT_LAUNCHER_ARGS:-})

@@ -80,7 +80,7 @@ def _processes_of(save: Path) -> dict[str, list[int]]:
             continue
         if needle not in argv or state == "Z":
             continue
-        if any(b"fault_tolerance.launcher" in a for a in argv):
+        if any(b"fault_tolerance.launcher" in a or b"megatron_resil.ft_launcher" in a for a in argv):
             found["launcher"].append(int(entry.name))
         elif b"LOCAL_RANK=" in environ and any(a.endswith(b"pretrain.py") for a in argv):
             found["ranks"].append(int(entry.name))

@@ -236,6 +236,23 @@ def test_enable_ft_package_without_ft_launcher_is_one_line_and_exit_code_2(tmp_p
     assert not (tmp_path / "ckpt").exists()
 
 
+@pytest.mark.parametrize("conf, key", [
+    ("keep_alive_interval=0.5", "keep_alive_interval"),
+    ("join_timeout=60,keep_alive_max_attempt=0", "keep_alive_max_attempt"),
+])
+def test_a_bad_keep_alive_in_rdzv_conf_is_one_line_and_exit_code_2(conf, key) -> None:
+    """`python -m megatron_resil.ft_launcher` (docs/drills.md, "The rendezvous keep-alive") checks torch's
+    keep-alive keys before NVRx's launcher starts: whole numbers of at least 1."""
+    result = subprocess.run([sys.executable, "-m", "megatron_resil.ft_launcher", "--nnodes", "1",
+                             "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-conf", conf,
+                             launch.PRETRAIN, "--train-iters", "1"], env=launch.env(), cwd=launch.REPO,
+                            timeout=60, capture_output=True, text=True)
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"[resil] ft_launcher: --rdzv-conf {key}="), lines
+    assert "at least 1" in lines[0]
+
+
 @pytest.mark.parametrize("argv, names", [
     (["--calc-ft-timeouts"], ("--calc-ft-timeouts", "--enable-ft-package")),
     (["--enable-ft-package", "--calc-ft-timeouts", "--no-save"], ("--calc-ft-timeouts", "--save")),

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from megatron_resil.checkpointing import layout
+from megatron_resil.patches import nvrx
 
 try:
     from tests import launch
@@ -52,9 +53,30 @@ def _goodput_accounts_for_the_wall_time(save: Path, attempts: int) -> None:
     assert abs(parts - total.wall_s) < 1e-6 * max(1.0, total.wall_s)
 
 
+def _lost_node_dropped_within(save: Path, seconds: float) -> float:
+    """Seconds from the node loss to rank 0's launcher joining the next round (the restart's record): the
+    rendezvous must drop the lost node first. With NVRx's keep-alive (a heartbeat every 5 s, dropped after 3
+    missed) that is at least 10 s after the loss (its last heartbeat was at most 5 s before it); with the
+    drill's 1 s x 3 (megatron_resil/ft_launcher.py), 3 s plus the replacement's start-up."""
+    events = [json.loads(line) for line in (save / "events.jsonl").read_text().splitlines()]
+    (loss,) = [e for e in events if e["event"] == "fault_injected" and e.get("kind") == "node-loss"]
+    record = next(e for e in events if e["event"] == "restart_phases" and e["unix"] > loss["unix"])
+    joined = record["details"]["launcher_rendezvous"] - loss["unix"]
+    assert 0 < joined < seconds, (joined, record)
+    return joined
+
+
 def test_a_replicas_intact_resume_from_the_surviving_node(tmp_path):
     # On TP=2 x PP=2: no data parallelism, so each shard's replica on the other node is its only copy.
     log, work = _drill("a", tmp_path, parallel_layout="tp2-pp2")
+    # The launchers read the keep-alive from --rdzv-conf, said once each (node 0, the lost node 1, its
+    # replacement), and dropped the lost node in time. NVRx 0.7's barrier rendezvous drops no node by
+    # heartbeat: the keys change nothing there, which each launcher says.
+    line = "[resil] rendezvous: a heartbeat every 1 s, a node dropped after 3 missed (3 s without one"
+    if nvrx.keep_alive_not_needed() is not None:
+        line = "[resil] ft_launcher: --rdzv-conf keep_alive_interval=1,keep_alive_max_attempt=3 has no effect"
+    assert log.count(line) == 3, log[-6000:]
+    _lost_node_dropped_within(work / "checkpoints", 9.0)
     assert "shards fetched from replicas: rank 2 from rank 0, rank 3 from rank 1" in log
     assert "[resil] load: accepted local iteration 8" in log
     assert "iteration       14/      14" in log or "iteration 14/" in log.replace("  ", " ")

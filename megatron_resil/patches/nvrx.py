@@ -1,12 +1,20 @@
 """NVRx (nvidia-resiliency-ext): the private methods of its local checkpoint manager and replication group
 that the local tier's subclasses override (checkpointing/local_tier.py, checkpointing/replication.py).
-Nothing of NVRx is replaced; a renamed method would leave our override uncalled, silently, so each is
-checked, with the call in NVRx that reaches it."""
+Nothing of NVRx is replaced there; a renamed method would leave our override uncalled, silently, so each is
+checked, with the call in NVRx that reaches it.
+
+One record replaces something, in ft_launcher's process only (`python -m megatron_resil.ft_launcher`
+installs it by name; pretrain.py never does): NVRx 0.4.1's rendezvous hard-codes torch's keep-alive (a
+heartbeat every 5 s, a node dropped after 3 missed), where torch's own c10d rendezvous reads
+`--rdzv-conf keep_alive_interval=S,keep_alive_max_attempt=N`. The record makes NVRx read the same keys."""
 
 from __future__ import annotations
 
 import argparse
+import functools
+import sys
 
+from megatron_resil.module_files import module_path
 from megatron_resil.patches import Has, Patch, Says, Takes
 
 PACKAGE = "nvidia-resiliency-ext"
@@ -16,6 +24,75 @@ _BASE = f"{_LOCAL}.ckpt_managers.base_manager:BaseCheckpointManager"
 _MANAGER = f"{_LOCAL}.ckpt_managers.local_manager:LocalCheckpointManager"
 _GROUP = f"{_LOCAL}.replication.group_utils:GroupWrapper"
 _STATE = f"{_LOCAL}.base_state_dict:TensorAwareStateDict"
+
+
+_FT = "nvidia_resiliency_ext.fault_tolerance"
+_RDZV = f"{_FT}._ft_rendezvous"
+_HANDLER = f"{_RDZV}:FtRendezvousHandler"
+KEEP_ALIVE = "NVRx rendezvous keep-alive from --rdzv-conf"
+KEEP_ALIVE_KEYS = ("keep_alive_interval", "keep_alive_max_attempt")  # torch's names, whole numbers
+NVRX_KEEP_ALIVE = (5, 3)  # what NVRx 0.4.1 hard-codes: seconds between heartbeats, missed beats
+
+
+def _launcher_only(args: argparse.Namespace | None) -> bool:
+    # ft_launcher's process installs it by name (megatron_resil/ft_launcher.py); a run's own install never
+    # does. With no arguments (every record, as the patch tests check them): yes.
+    return args is None
+
+
+def _read(module_name: str) -> str | None:
+    path = module_path(module_name)
+    if path is None or not path.endswith(".py"):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def keep_alive_not_needed() -> str | None:
+    """Why the keep-alive keys have nothing to change in the installed NVRx, or None: NVRx 0.5+ replaced
+    the heartbeat rendezvous with a barrier one, which keeps `keep_alive_*` in its settings but drops no
+    node by heartbeat (a lost node is just not in the next round). Read from the files, not imported."""
+    if _read(_RDZV) is not None:
+        return None
+    barrier = _read(f"{_FT}.ft_rendezvous_barrier")
+    if barrier is None or "settings.keep_alive" in barrier or "last_heartbeats" in barrier:
+        return None  # neither form we know: the checks below say what is missing
+    return ("its barrier rendezvous (ft_rendezvous_barrier.py) drops no node by heartbeat: a lost node is "
+            "simply not in the next round, so keep_alive_interval and keep_alive_max_attempt change nothing")
+
+
+def _keep_alive_from_rdzv_conf() -> None:
+    from datetime import timedelta
+
+    from nvidia_resiliency_ext.fault_tolerance import _ft_rendezvous as rdzv
+
+    create_handler = rdzv.create_handler
+
+    @functools.wraps(create_handler)
+    def create_handler_with_keep_alive(store, backend, params):
+        handler = create_handler(store, backend, params)
+        # One settings object is shared by the handler (its heartbeat timer), its state holder (which drops
+        # the nodes whose last heartbeat is older than interval x attempts) and its op executor; it is a
+        # frozen dataclass, so it is changed in place, before the first round starts the heartbeats.
+        settings = handler._settings
+        interval = params.get_as_int("keep_alive_interval", None)
+        attempts = params.get_as_int("keep_alive_max_attempt", None)
+        for key, value in zip(KEEP_ALIVE_KEYS, (interval, attempts), strict=True):
+            if value is not None and value < 1:
+                raise ValueError(f"The rendezvous configuration option '{key}' must be at least 1, "
+                                 f"not {value}.")
+        wanted = (timedelta(seconds=interval) if interval is not None else settings.keep_alive_interval,
+                  attempts if attempts is not None else settings.keep_alive_max_attempt)
+        if wanted != (settings.keep_alive_interval, settings.keep_alive_max_attempt):
+            object.__setattr__(settings, "keep_alive_interval", wanted[0])
+            object.__setattr__(settings, "keep_alive_max_attempt", wanted[1])
+            seconds = wanted[0].total_seconds()
+            print(f"[resil] rendezvous: a heartbeat every {seconds:g} s, a node dropped after {wanted[1]} "
+                  f"missed ({seconds * wanted[1]:g} s without one; NVRx's default: 5 s x 3 = 15 s), from "
+                  "--rdzv-conf", file=sys.stderr, flush=True)
+        return handler
+
+    rdzv.create_handler = create_handler_with_keep_alive
 
 
 def _uses_local_tier(args: argparse.Namespace | None) -> bool:
@@ -83,5 +160,35 @@ PATCHES = (
                                                    "copy_tensors_to_cpu", "tensors")),
         ),
         when=_uses_replication,
+    ),
+    Patch(
+        name=KEEP_ALIVE,
+        package=PACKAGE, written_for=">=0.4.1,<0.5",
+        target=f"{_RDZV}:create_handler",
+        why="NVRx 0.4.1's rendezvous hard-codes a heartbeat every 5 s and 3 missed before a node is dropped "
+            "(FtRendezvousHandler.from_backend), where torch's c10d rendezvous reads keep_alive_interval and "
+            "keep_alive_max_attempt from --rdzv-conf: after a node loss the survivors cannot form the next "
+            "round with its replacement for 10-15 s (issue 26's drill). Installed in ft_launcher's process "
+            "by megatron_resil.ft_launcher when --rdzv-conf names a key; NVRx's defaults otherwise",
+        checks=(
+            Takes(f"{_RDZV}:create_handler", ("store", "backend", "params")),
+            # NVRx's launcher imports create_handler from the module when it registers the handler, so the
+            # module's attribute is what it calls.
+            Says(f"{_FT}.launcher", "from ._ft_rendezvous import FtRendezvousHandler, create_handler",
+                 on_disk=True),
+            # from_backend's (a classmethod: checked in its class, whose identity the patch tests follow).
+            Says(_HANDLER, "keep_alive_interval=timedelta(seconds=5)", count=1),
+            Says(_HANDLER, "_BackendRendezvousStateHolder(backend, settings)", count=1),
+            Says(f"{_HANDLER}.__init__", "self._settings = settings"),
+            Says(f"{_HANDLER}.__init__", "self._settings,"),  # the op executor's
+            Says(f"{_HANDLER}._start_heartbeats", "self._settings.keep_alive_interval"),
+            Says(f"{_RDZV}:_BackendRendezvousStateHolder.__init__", "self._settings = settings"),
+            Says(f"{_RDZV}:_BackendRendezvousStateHolder._sanitize",
+                 "self._settings.keep_alive_interval * self._settings.keep_alive_max_attempt"),
+            Says(f"{_RDZV}:RendezvousSettings", "keep_alive_max_attempt: int"),
+        ),
+        apply=_keep_alive_from_rdzv_conf,
+        not_needed=keep_alive_not_needed, not_needed_on=">=0.5",
+        when=_launcher_only,
     ),
 )
