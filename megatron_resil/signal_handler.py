@@ -19,9 +19,12 @@ waits out its stop timeout (30 s for torchrun and ft_launcher) before SIGKILL. W
 loop has passed no point of progress (a step's start or end, the end of a save or an evaluation) for
 STUCK_STEP_FACTOR times the slowest step this process has taken (at least STUCK_STEP_MIN_SECS), it is
 blocked: the watchdog ends the process with one line and exit code 6 (no save could be agreed; the
-previous checkpoint is intact). Saves and evaluation are exempt while they run (a preemption signal
-mid-save lets it finish), and once the ranks have agreed to stop, the save that follows has only the
-grace deadline.
+previous checkpoint is intact). A save or an evaluation that was running when the signal came is judged
+by its own kind instead: blocked once it has run, since the signal, STUCK_STEP_FACTOR times the slowest
+of its kind this process has finished (a preemption signal mid-save lets a save that is merely slow
+finish; one waiting in its collectives for a stopped or killed peer held its launcher for the whole stop
+timeout, issue 26's chaos run); the first of its kind, with nothing to compare with, is not judged. Once
+the ranks have agreed to stop, the save that follows has only the grace deadline.
 """
 
 from __future__ import annotations
@@ -44,6 +47,13 @@ STUCK_STEP_MIN_SECS = 3.0
 _WATCH_EVERY_SECS = 0.1
 
 
+class Waited:
+    """What `waiting` yields: a save that turned out not to be due sets `happened = False`, so that its
+    instant return is not taken for how long a save takes."""
+
+    happened = True
+
+
 class ExitSignalHandler:
     """Installed at the start of pretrain(), so a signal during set-up or the load is honoured too."""
 
@@ -56,7 +66,10 @@ class ExitSignalHandler:
         self._first = threading.Event()
         self._progress_at: float | None = None  # the loop's last point of progress
         self._slowest_step: float | None = None  # of the steps this process has taken
-        self._waiting = 0  # inside a save or an evaluation: not judged
+        self._waiting = 0  # inside a save or an evaluation: judged by its own kind
+        self._waiting_kind: str | None = None  # the outermost one's
+        self._waiting_since: float | None = None
+        self._slowest_wait: dict[str, float] = {}  # of the saves, evaluations this process has finished
         self._agreed = False  # the ranks agreed to stop: the watchdog no longer judges progress
 
     @property
@@ -114,19 +127,28 @@ class ExitSignalHandler:
                            f"exiting with code {exit_codes.SIGNAL_DEADLINE}",
                            exit_codes.SIGNAL_DEADLINE)
             if (blocked := self._blocked_for(now)) is not None:
+                still, what, slowest = blocked
                 self._exit(f"{self.signal_name} received, and the training loop has not moved on "
-                           f"{blocked:.1f}s later (its slowest step: {self._slowest_step:.2f}s): it waits in "
-                           "a collective for a rank that is gone, so no save can be agreed; the previous "
+                           f"{still:.1f}s later (in a {what}; its slowest {what}: {slowest:.2f}s): it waits "
+                           "in a collective for a rank that is gone, so no save can be agreed; the previous "
                            f"checkpoint is intact; exiting with code {exit_codes.SIGNAL_DEADLINE}",
                            exit_codes.SIGNAL_DEADLINE, requeue=True)
             time.sleep(_WATCH_EVERY_SECS)
 
-    def _blocked_for(self, now: float) -> float | None:
-        """Seconds without progress since the signal, once that is past the stuck bound."""
-        if self._agreed or self._waiting or self._progress_at is None or self._slowest_step is None:
-            return None  # agreed, exempt, or no step taken yet to compare with
-        still = now - max(self._progress_at, self.first_received_at)
-        return still if still > max(STUCK_STEP_MIN_SECS, STUCK_STEP_FACTOR * self._slowest_step) else None
+    def _blocked_for(self, now: float) -> tuple[float, str, float] | None:
+        """(seconds without progress since the signal, in what, its slowest), once past the stuck bound."""
+        if self._agreed:
+            return None
+        if self._waiting:  # a save or an evaluation: by the slowest of its kind
+            what, since = self._waiting_kind or "save", self._waiting_since
+            slowest = self._slowest_wait.get(what)
+        else:
+            what, since, slowest = "step", self._progress_at, self._slowest_step
+        if since is None or slowest is None:
+            return None  # nothing of its kind finished yet to compare with
+        still = now - max(since, self.first_received_at)
+        bound = max(STUCK_STEP_MIN_SECS, STUCK_STEP_FACTOR * slowest)
+        return (still, what, slowest) if still > bound else None
 
     @contextlib.contextmanager
     def stepping(self):
@@ -140,14 +162,22 @@ class ExitSignalHandler:
             self._slowest_step = took if self._slowest_step is None else max(self._slowest_step, took)
 
     @contextlib.contextmanager
-    def waiting(self):
-        """Wraps a save or an evaluation: not judged while it runs (each has its own bounds)."""
+    def waiting(self, kind: str = "save"):
+        """Wraps a save ("save") or an evaluation ("evaluation"): judged by the slowest of its kind."""
+        outermost = self._waiting == 0
+        began = time.monotonic()
+        if outermost:
+            self._waiting_kind, self._waiting_since = kind, began
         self._waiting += 1
+        wait = Waited()
         try:
-            yield
+            yield wait
         finally:
             self._waiting -= 1
             self._progress_at = time.monotonic()
+            if outermost and wait.happened:
+                took = self._progress_at - began
+                self._slowest_wait[kind] = max(self._slowest_wait.get(kind, 0.0), took)
 
     def agreed(self) -> None:
         """The ranks agreed to stop on the signal: what follows is the save, under the grace deadline."""
@@ -217,6 +247,6 @@ def stepping():
     return _installed.stepping() if _installed is not None else contextlib.nullcontext()
 
 
-def waiting():
-    """Wraps a save or an evaluation: exempt from the stuck bound while it runs."""
-    return _installed.waiting() if _installed is not None else contextlib.nullcontext()
+def waiting(kind: str = "save"):
+    """Wraps a save or an evaluation (`kind`): judged by the slowest of its kind while it runs."""
+    return _installed.waiting(kind) if _installed is not None else contextlib.nullcontext(Waited())

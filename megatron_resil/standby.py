@@ -305,6 +305,14 @@ def serve(name: str, preload: tuple[str, ...] = PRELOAD, ready_fd: int | None = 
     for module in preload:
         importlib.import_module(module)
     mine = fingerprint()
+    from megatron_resil.patches import torch_startup
+
+    # A fork that torch would refuse CUDA (something asked the CUDA runtime while importing) serves no rank.
+    unusable = ("a rank forked from it could not use CUDA (torch was asked about CUDA devices while it "
+                "imported)") if torch_startup.forks_cannot_use_cuda() else None
+    if unusable is not None:
+        print(f"[resil] standby {name!r}: {unusable}; ranks started with {ENV}={name} import torch "
+              "themselves", flush=True)
     print(f"[resil] standby {name!r}: ready in {time.monotonic() - started:.1f} s ({', '.join(preload)} "
           f"imported); ranks started with {ENV}={name} are forked from it", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the workers die with it (parent-death signal)
@@ -319,11 +327,12 @@ def serve(name: str, preload: tuple[str, ...] = PRELOAD, ready_fd: int | None = 
         waiting = [fd for s in served.values() for fd in (s.client_fd, s.worker_fd)]
         ready, _, _ = select.select(waiting + ([listener] if listener is not None else []), [], [], _TICK)
         if listener is not None and listener in ready:
-            _accept(listener, mine, served, warmup)
+            _accept(listener, mine, served, warmup, unusable)
         _tend(served)
 
 
-def _accept(listener: socket.socket, mine: dict, served: dict[int, _Served], warmup) -> None:
+def _accept(listener: socket.socket, mine: dict, served: dict[int, _Served], warmup,
+            unusable: str | None) -> None:
     conn, _ = listener.accept()
     fds: list[int] = []
     try:
@@ -336,7 +345,7 @@ def _accept(listener: socket.socket, mine: dict, served: dict[int, _Served], war
             _send(conn, {"ready": True})
             raise ValueError("ping")
         why = "the rank is the standby's own worker" if pid in served else \
-            _mismatch(mine, request.get("fingerprint", {})) or warmup.refusal(request)
+            unusable or _mismatch(mine, request.get("fingerprint", {})) or warmup.refusal(request)
         if why is not None:
             _send(conn, {"refused": why})
             raise ValueError(why)

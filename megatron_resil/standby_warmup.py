@@ -25,6 +25,8 @@ import os
 import sys
 import time
 
+from megatron_resil.patches import torch_startup
+
 PRETRAIN = "pretrain.py"
 
 
@@ -86,11 +88,9 @@ def _as_the_rank(request: dict):
         sys.argv[:] = request["argv"]
         os.environ.clear()
         os.environ.update(request["env"])
-        # torch's CUDA check through NVML: asking the CUDA runtime would initialize it here, and a
-        # process forked after that cannot use CUDA.
-        os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
         os.chdir(request["cwd"])
-        yield
+        with torch_startup.cuda_count_answered(_cuda_devices()):  # asked here, no fork could use CUDA
+            yield
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -102,6 +102,16 @@ def _as_the_rank(request: dict):
         os.environ.clear()
         os.environ.update(saved_env)
         sys.argv[:] = saved_argv
+
+
+_cuda_count: int | None = None
+
+
+def _cuda_devices() -> int:
+    global _cuda_count
+    if _cuda_count is None:
+        _cuda_count = torch_startup.cuda_device_count_in_a_child()
+    return _cuda_count
 
 
 def _parse(request: dict):

@@ -212,12 +212,14 @@ def train(args, model, optimizer, scheduler, checkpoints, progress: TrainProgres
         if (stop := _housekeeping(args, model, progress.iteration)) is not None:
             break  # the replicas' weights differ: the run ends before any save (weight_hashes.py)
         if valid_ds is not None and args.eval_iters and progress.iteration % args.eval_interval == 0:
-            with _collected_around(args.manual_gc and args.manual_gc_eval), signal_handler.waiting():
+            with _collected_around(args.manual_gc and args.manual_gc_eval), \
+                    signal_handler.waiting("evaluation"):
                 logger.validation(progress.iteration, evaluate(args, model, valid_ds, progress),
                                   progress.consumed_train_samples)
             logger.restart_interval()
-        with signal_handler.waiting():  # a save is not judged by the stuck-loop bound: it has its own
-            if ft.checkpointing(checkpoints.maybe_save, progress):
+        with signal_handler.waiting() as save:  # judged by the slowest save, not by the slowest step
+            save.happened = ft.checkpointing(checkpoints.maybe_save, progress)
+            if save.happened:
                 logger.restart_interval()
         stop = stragglers.report(progress.iteration) or stops.check(progress.iteration)
         if stop is not None:

@@ -129,7 +129,7 @@ def _signal_tree(pid: int, sig: int, include_root: bool = True) -> None:
 
 class Drill:
     def __init__(self, variant: str, work: Path, timeout: float, layout: str = "dp",
-                 standby: bool = False, keep_alive: tuple[int, int] = KEEP_ALIVE) -> None:
+                 standby: str | None = None, keep_alive: tuple[int, int] = KEEP_ALIVE) -> None:
         self.standby, self.keep_alive = standby, keep_alive
         self.variant, self.work, self.deadline = variant, work, time.monotonic() + timeout
         self.layout = layout
@@ -168,7 +168,8 @@ class Drill:
                "NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE": "1"}
         env.pop("MEGATRON_RESIL_STANDBY", None)  # --standby decides, not the caller's environment
         # --standby: each node's launcher starts with a standby of its own (docs/standby.md).
-        wrapper = [sys.executable, "-m", "megatron_resil.standby", "--"] if self.standby else []
+        wrapper = ([sys.executable, "-m", "megatron_resil.standby",
+                    *(["--torch-only"] if self.standby == "torch" else []), "--"] if self.standby else [])
         # ft_launcher, with torch's keep-alive keys read from --rdzv-conf (megatron_resil/ft_launcher.py).
         interval, attempts = self.keep_alive
         cmd = [*wrapper, sys.executable, "-m", "megatron_resil.ft_launcher",
@@ -364,9 +365,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600, help="seconds before the drill gives up")
     parser.add_argument("--layout", choices=sorted(LAYOUTS), default="dp",
                         help="the parallel layout of the 4 ranks (default: dp, data parallel)")
-    parser.add_argument("--standby", action="store_true",
-                        help="each node's launcher starts with a standby that has torch imported, and the "
-                             "ranks are forked from it (docs/standby.md)")
+    parser.add_argument("--standby", nargs="?", const="megatron-core", choices=("megatron-core", "torch"),
+                        help="each node's launcher starts with a standby that has torch and megatron-core "
+                             "(with the run's patches) imported, and the ranks are forked from it "
+                             "(docs/standby.md); --standby torch: torch only")
     parser.add_argument("--keep-alive", default="x".join(map(str, KEEP_ALIVE)), metavar="SxN",
                         help="the launchers' rendezvous heartbeat every S seconds, a node dropped after N "
                              "missed (default: %(default)s; NVRx's own: 5x3)")

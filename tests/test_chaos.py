@@ -51,16 +51,18 @@ def _args(save: Path) -> list[str]:
     return [*launch.TINY_MODEL, *launch.TINY_TRAINING, "--log-interval", "5", "--train-iters", str(TRAIN_ITERS),
             "--save", str(save), "--load", str(save), "--save-interval", "5", "--ckpt-keep-last", "3",
             "--exit-signal-handler", "--enable-ft-package", "--rerun-mode", "disabled",
-            "--inject-fault", "nan-loss", "--inject-fault-iteration", "50", "--inject-fault-ranks", "1"]
+            "--inject-fault", "nan-loss", "--inject-fault-iteration", "50", "--inject-fault-ranks", "1",
+            *(["--calc-ft-timeouts", "--ft-timeouts-floor-secs", "5"] if os.environ.get("CHAOS_CALC_FT") else [])]
 
 
 def _start(save: Path, log: Path) -> subprocess.Popen:
     # Each job step's launcher starts with a standby and the ranks are forked from it (RESIL_STANDBY=1,
-    # docs/standby.md); CHAOS_STANDBY=0: every rank imports for itself, as before issue 26's standby.
-    standby = os.environ.get("CHAOS_STANDBY", "1") != "0"
+    # docs/standby.md); CHAOS_STANDBY=0: every rank imports for itself, as before issue 26's standby;
+    # CHAOS_STANDBY=torch: a standby with torch only, as at stop 32 (no megatron-core imported ahead).
+    standby = {"0": "0", "torch": "torch"}.get(os.environ.get("CHAOS_STANDBY", "1"), "1")
     env = {**launch.env(standby=False), "RESIL_PYTHON": sys.executable, "NPROC_PER_NODE": "4",
            "MAX_RESTARTS": "8", "MAX_REQUEUES": "8", "FT_LAUNCHER_ARGS": FT_ARGS,
-           "RESIL_STANDBY": "1" if standby else "0"}
+           "RESIL_STANDBY": standby}
     return subprocess.Popen(["bash", RUN_LOCAL, *_args(save)], env=env, cwd=launch.REPO,
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -219,3 +219,31 @@ def test_sigterm_to_a_rank_blocked_on_a_stopped_peer_ends_it_in_seconds_with_exi
     records = [json.loads(ln) for ln in (root / "events.jsonl").read_text().splitlines()]
     assert [r["exit_code"] for r in records if r["event"] == "exit"] == [6]
     assert not list(root.glob("iter_*")), "nothing was saved"
+
+
+def test_sigterm_to_a_rank_blocked_in_a_save_on_a_stopped_peer_ends_it_in_seconds_with_exit_6(tmp_path):
+    """The same, with the peer frozen while the ranks save: a save is judged by the slowest save this
+    process has finished (issue 26's chaos run: its launcher waited out its 30 s stop timeout)."""
+    root, log = tmp_path / "ckpt", tmp_path / "run.log"
+    proc = launch.start(_args(root, extra=["--save-interval", "3", "--log-interval", "1"]), log_path=log)
+    frozen = None
+    try:
+        _wait_for(lambda: "iteration        4/" in log.read_text(), what="iteration 4, after the first save")
+        pids = {_rank_of(pid): pid for pid in _rank_pids(proc.pid)}
+        _wait_for(lambda: layout.leftovers(str(root))["staging"], what="a save in flight")
+        frozen = pids[1]
+        os.kill(frozen, signal.SIGSTOP)
+        time.sleep(0.5)  # rank 0 now waits in the save's collectives (or, past them, in the next step's)
+        signalled = time.monotonic()
+        os.kill(pids[0], signal.SIGTERM)
+        _wait_for(lambda: _gone(pids[0]), timeout=60, what="rank 0 to exit")
+        took = time.monotonic() - signalled
+    finally:
+        if frozen is not None:
+            os.kill(frozen, signal.SIGKILL)
+        proc.wait(timeout=120)
+    out = log.read_text()
+    line = next((ln for ln in out.splitlines() if "the training loop has not moved on" in ln), None)
+    assert line is not None and line.endswith("exiting with code 6"), out[-3000:]
+    assert took < 20, f"rank 0 took {took:.1f} s to exit"
+    _assert_only_complete_checkpoints(root)

@@ -24,7 +24,7 @@ FETCH = launch.REPO / "scripts" / "fetch_gpu_wheels.sh"
 CPU_STEPS = ["train", "save_sync_persistent", "save_async_persistent", "save_sync_local", "save_async_local",
              "kill9_async_resume", "inprocess_restart", "straggler", "rerun_nan", "step_time_ratio",
              "async_stall_ratio"]
-CUDA_STEPS = ["straggler_gpu", "transformer_engine"]
+CUDA_STEPS = ["straggler_gpu", "transformer_engine", "standby"]
 
 
 @pytest.mark.slow

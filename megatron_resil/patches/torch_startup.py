@@ -152,3 +152,67 @@ PATCHES = (
         without="each rank imports torch._dynamo when it builds and steps its optimizer (about 0.5 s)",
     ),
 )
+
+
+# ---- a standby's questions about CUDA (standby_warmup.py) ---------------------------------------------
+# Not a record: nothing here stays installed. torch marks a process whose CUDA runtime was asked for its
+# device count (torch.cuda.device_count() without NVML, is_available()) so that every process forked from
+# it later refuses CUDA ("Cannot re-initialize CUDA in forked subprocess"). A standby imports and parses
+# before it forks the ranks, and megatron-core, NVRx and our arguments ask that question while it does;
+# for that while, torch's two entry points answer with the count a forked child found.
+
+def cuda_device_count_in_a_child() -> int:
+    """torch.cuda.device_count() as a forked child finds it (the child is marked, not this process)."""
+    import os
+
+    import torch
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.close(read)
+            os.write(write, str(torch.cuda.device_count()).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as answer:
+        found = answer.read()
+    os.waitpid(pid, 0)
+    return int(found or b"0")
+
+
+def forks_cannot_use_cuda() -> bool:
+    """Whether a process forked from this one now would be refused CUDA by torch."""
+    import os
+
+    import torch
+
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os._exit(1 if torch.cuda._is_in_bad_fork() else 0)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) != 0
+
+
+class cuda_count_answered:  # noqa: N801 - used as a context manager, like contextlib's
+    """While inside, torch.cuda.device_count() and torch._C._cuda_getDeviceCount() return `count`."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def __enter__(self):
+        import torch
+
+        self.saved = (torch.cuda.device_count, getattr(torch._C, "_cuda_getDeviceCount", None))
+        torch.cuda.device_count = lambda: self.count
+        if self.saved[1] is not None:
+            torch._C._cuda_getDeviceCount = lambda: self.count
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import torch
+
+        torch.cuda.device_count = self.saved[0]
+        if self.saved[1] is not None:
+            torch._C._cuda_getDeviceCount = self.saved[1]

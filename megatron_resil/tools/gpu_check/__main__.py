@@ -40,6 +40,7 @@ STEPS = {
     "straggler_gpu": fault_steps.straggler_gpu,
     "rerun_nan": fault_steps.rerun_nan,
     "transformer_engine": train_steps.transformer_engine,
+    "standby": train_steps.standby,
     "step_time_ratio": train_steps.step_time_ratio,
     "async_stall_ratio": train_steps.stall_ratio,
 }

@@ -52,20 +52,23 @@ class Launcher:
         self.log_dir = log_dir
         log_dir.mkdir(parents=True, exist_ok=True)
 
-    def command(self, args: list[str], script: Path = PRETRAIN) -> list[str]:
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+    def command(self, args: list[str], script: Path = PRETRAIN, wrapper: tuple[str, ...] = ()) -> list[str]:
+        """`wrapper`: what runs torchrun (a standby: `python -m megatron_resil.standby --`)."""
+        return [*wrapper, sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
                 "--nproc-per-node", "1", str(script), *args]
 
-    def start(self, name: str, args: list[str], script: Path = PRETRAIN) -> tuple[subprocess.Popen, Path]:
+    def start(self, name: str, args: list[str], script: Path = PRETRAIN,
+              wrapper: tuple[str, ...] = ()) -> tuple[subprocess.Popen, Path]:
         log = self.log_dir / f"{name}.log"
         with open(log, "w") as out:
-            proc = subprocess.Popen(self.command(args, script), env=self.env, cwd=REPO, stdout=out,
+            proc = subprocess.Popen(self.command(args, script, wrapper), env=self.env, cwd=REPO, stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True)
         return proc, log
 
-    def run(self, name: str, args: list[str], timeout: float, script: Path = PRETRAIN) -> Run:
+    def run(self, name: str, args: list[str], timeout: float, script: Path = PRETRAIN,
+            wrapper: tuple[str, ...] = ()) -> Run:
         began = time.monotonic()
-        proc, log = self.start(name, args, script)
+        proc, log = self.start(name, args, script, wrapper)
         try:
             code = proc.wait(timeout=max(timeout, 1.0))
         except subprocess.TimeoutExpired:

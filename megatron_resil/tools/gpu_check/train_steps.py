@@ -10,6 +10,7 @@ import json
 import math
 import os
 import statistics
+import sys
 
 from megatron_resil.tools.gpu_check.context import Check, Failed, Skipped, compare_losses, require_exit_0
 from megatron_resil.tools.gpu_check.runs import BARE_LOOP, events, iteration_ms, losses, named
@@ -152,6 +153,31 @@ def step_time_ratio(check: Check) -> tuple[dict, str]:
                "bare_block_ms": bare["block_ms"], "parameters": bare["parameters"]}
     return figures, (f"{ours:.2f} ms / {bare['step_ms_median']:.2f} ms = {ratio:.3f} "
                      f"(goal <= {STEP_TIME_GOAL})")
+
+
+def standby(check: Check) -> tuple[dict, str]:
+    """The train run again, its rank forked from a launcher's standby that imported megatron-core ahead
+    (docs/standby.md): the standby asks about CUDA through NVML only, so the forked rank can initialize
+    CUDA; its losses are the train run's."""
+    if not check.cuda:
+        raise Skipped("needs CUDA")  # on CPU: tests/test_standby_warmup.py
+    save = check.fresh_dir("standby")
+    run = check.run("standby", _base_args(check, save),
+                    wrapper=(sys.executable, "-m", "megatron_resil.standby", "--"))
+    require_exit_0(run)
+    if "[resil] standby: megatron-core imported ahead" not in run.output:
+        raise Failed(f"the standby did not import megatron-core ahead; log tail: {run.tail(600)}")
+    (record,) = named(events(save), "restart_phases") or [{}]
+    details = record.get("details", {})
+    if not (details.get("standby") and details.get("megatron_core_ahead")):
+        raise Failed(f"the rank was not forked with megatron-core imported: {details}")
+    compared, differ = compare_losses(losses(run.output), check.reference, sorted(check.reference))
+    if check.reference and (not compared or differ):
+        raise Failed(f"losses differ from the train run's: {'; '.join(differ[:3]) or 'none logged'}")
+    imports = record.get("phases", {}).get("imports")
+    return ({"imports_s": imports, "iterations_compared": len(compared), "launch_s": round(run.seconds, 1)},
+            f"forked with megatron-core imported ahead, on CUDA; imports phase {imports} s; "
+            f"{len(compared)} logged iterations as the train run's")
 
 
 def transformer_engine(check: Check) -> tuple[dict, str]:
