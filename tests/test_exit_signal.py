@@ -190,19 +190,19 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def test_sigterm_to_a_rank_blocked_on_a_stopped_peer_ends_it_in_seconds_with_exit_6(tmp_path):
-    """The launcher stopping a worker group one of whose ranks is frozen: the rank that gets SIGTERM waits
-    in a collective for its frozen peer and never reaches the point where ranks agree to save. Without the
-    stuck-step bound it would wait for gloo's timeout (10 minutes) and its launcher 30 s before SIGKILL."""
+def _freeze_rank_1_then_sigterm_rank_0(tmp_path, extra: list[str], ready) -> tuple[float, str]:
+    """Train 2 ranks; once `ready(log, root)` holds, freeze rank 1 (SIGSTOP), SIGTERM rank 0 and wait for it
+    to exit. (seconds from the SIGTERM to rank 0's exit, the run's output)."""
     root, log = tmp_path / "ckpt", tmp_path / "run.log"
-    proc = launch.start(_args(root, extra=["--save-interval", "1000", "--log-interval", "1"]), log_path=log)
+    proc = launch.start(_args(root, extra=[*extra, "--log-interval", "1"]), log_path=log)
     frozen = None
     try:
-        _wait_for(lambda: "iteration        5/" in log.read_text(), what="iteration 5")
+        _wait_for(lambda: "iteration        4/" in log.read_text(), what="iteration 4")
         pids = {_rank_of(pid): pid for pid in _rank_pids(proc.pid)}
+        _wait_for(lambda: ready(log, root), what="the moment to freeze rank 1")
         frozen = pids[1]
         os.kill(frozen, signal.SIGSTOP)
-        time.sleep(0.5)  # rank 0 is now blocked in the step's gradient all-reduce
+        time.sleep(0.5)  # rank 0 is now blocked in a collective with rank 1
         signalled = time.monotonic()
         os.kill(pids[0], signal.SIGTERM)
         _wait_for(lambda: _gone(pids[0]), timeout=60, what="rank 0 to exit")
@@ -215,35 +215,27 @@ def test_sigterm_to_a_rank_blocked_on_a_stopped_peer_ends_it_in_seconds_with_exi
     line = next((ln for ln in out.splitlines() if "the training loop has not moved on" in ln), None)
     assert line is not None and line.startswith("[resil] exit: SIGTERM received") and \
         line.endswith("exiting with code 6"), out[-3000:]
+    return took, out
+
+
+def test_sigterm_to_a_rank_blocked_on_a_stopped_peer_ends_it_in_seconds_with_exit_6(tmp_path):
+    """The launcher stopping a worker group one of whose ranks is frozen: the rank that gets SIGTERM waits
+    in a collective for its frozen peer and never reaches the point where ranks agree to save. Without the
+    stuck-step bound it would wait for gloo's timeout (10 minutes) and its launcher 30 s before SIGKILL."""
+    took, _ = _freeze_rank_1_then_sigterm_rank_0(  # in the step's gradient all-reduce
+        tmp_path, ["--save-interval", "1000"], lambda log, root: "iteration        5/" in log.read_text())
     assert took < 30, f"rank 0 took {took:.1f} s to exit"
+    root = tmp_path / "ckpt"
     records = [json.loads(ln) for ln in (root / "events.jsonl").read_text().splitlines()]
     assert [r["exit_code"] for r in records if r["event"] == "exit"] == [6]
     assert not list(root.glob("iter_*")), "nothing was saved"
 
 
 def test_sigterm_to_a_rank_blocked_in_a_save_on_a_stopped_peer_ends_it_in_seconds_with_exit_6(tmp_path):
-    """The same, with the peer frozen while the ranks save: a save is judged by the slowest save this
-    process has finished (issue 26's chaos run: its launcher waited out its 30 s stop timeout)."""
-    root, log = tmp_path / "ckpt", tmp_path / "run.log"
-    proc = launch.start(_args(root, extra=["--save-interval", "3", "--log-interval", "1"]), log_path=log)
-    frozen = None
-    try:
-        _wait_for(lambda: "iteration        4/" in log.read_text(), what="iteration 4, after the first save")
-        pids = {_rank_of(pid): pid for pid in _rank_pids(proc.pid)}
-        _wait_for(lambda: layout.leftovers(str(root))["staging"], what="a save in flight")
-        frozen = pids[1]
-        os.kill(frozen, signal.SIGSTOP)
-        time.sleep(0.5)  # rank 0 now waits in the save's collectives (or, past them, in the next step's)
-        signalled = time.monotonic()
-        os.kill(pids[0], signal.SIGTERM)
-        _wait_for(lambda: _gone(pids[0]), timeout=60, what="rank 0 to exit")
-        took = time.monotonic() - signalled
-    finally:
-        if frozen is not None:
-            os.kill(frozen, signal.SIGKILL)
-        proc.wait(timeout=120)
-    out = log.read_text()
-    line = next((ln for ln in out.splitlines() if "the training loop has not moved on" in ln), None)
-    assert line is not None and line.endswith("exiting with code 6"), out[-3000:]
+    """The same, with the peer frozen while the ranks save (after a first save this process finished): a
+    save is judged by the slowest save (issue 26's chaos run: its launcher waited out its 30 s stop timeout).
+    Rank 1 may be frozen just past the save's last collective: then rank 0 waits in the next step's."""
+    took, _ = _freeze_rank_1_then_sigterm_rank_0(
+        tmp_path, ["--save-interval", "3"], lambda log, root: layout.leftovers(str(root))["staging"])
     assert took < 20, f"rank 0 took {took:.1f} s to exit"
-    _assert_only_complete_checkpoints(root)
+    _assert_only_complete_checkpoints(tmp_path / "ckpt")
