@@ -48,12 +48,9 @@ class Warmup:
         is_pretrain = os.path.basename(request["argv"][0]) == PRETRAIN
         if not is_pretrain:
             return None if self.key is None else "it has megatron-core imported for pretrain.py runs"
-        args = _parse(request)
+        args, key = _parse(request)
         if args is None or args.check_args_only:  # refused arguments: the worker says so, as a rank would
             return None
-        from megatron_resil import patches
-
-        key = patches.wanted_ahead(args)
         if self.key is None:
             started = time.monotonic()
             self.failed = _import_ahead(request, args)
@@ -114,14 +111,18 @@ def _cuda_devices() -> int:
     return _cuda_count
 
 
-def _parse(request: dict):
+def _parse(request: dict) -> tuple:
+    """(the rank's arguments, the patch records its run installs ahead), or (None, None) for arguments
+    pretrain.py refuses. Both as the rank: the records' conditions ask about CUDA too."""
+    from megatron_resil import patches
     from megatron_resil.arguments import parse_args
 
     with _as_the_rank(request):
         try:
-            return parse_args()
+            args = parse_args()
         except SystemExit:  # bad arguments: the worker prints them
-            return None
+            return None, None
+        return args, patches.wanted_ahead(args)
 
 
 def _threads() -> int:
@@ -140,8 +141,8 @@ def _import_ahead(request: dict, args) -> str | None:
 
             import megatron_resil.training  # noqa: F401 - megatron-core, NVRx, our modules
 
-            if torch.cuda.is_initialized():  # a fork could not use CUDA
-                return "CUDA was initialized while importing"
+            if torch.cuda.is_initialized() or torch_startup.forks_cannot_use_cuda():
+                return "a rank forked after it could not use CUDA"
             if _threads() > threads:  # a fork copies only the forking thread: locks held by others stay
                 return f"the imports started {_threads() - threads} thread(s)"
     except patches.UpstreamMismatch as stop:
