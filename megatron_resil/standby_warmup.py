@@ -117,12 +117,12 @@ def _parse(request: dict) -> tuple:
     from megatron_resil import patches
     from megatron_resil.arguments import parse_args
 
-    with _as_the_rank(request):
-        try:
+    try:
+        with _as_the_rank(request):
             args = parse_args()
-        except SystemExit:  # bad arguments: the worker prints them
-            return None, None
-        return args, patches.wanted_ahead(args)
+            return args, patches.wanted_ahead(args)
+    except (SystemExit, Exception):  # noqa: BLE001 - refused arguments, or a bug: the worker, forked as
+        return None, None  # it would be without a standby, says which (the standby must serve on)
 
 
 def _threads() -> int:
