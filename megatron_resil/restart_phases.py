@@ -127,8 +127,10 @@ def measure() -> dict:
         marks["spawned"] = process_started_unix(standby.launched_pid())  # the launcher's, not a fork
         details["interpreter"] = _process_marks.get("interpreter")
         details["standby"] = standby.in_worker()
+        from megatron_resil import patches  # (imports nothing new: pretrain.py installed them)
+
         # whether that standby had megatron-core imported, with this run's patches (standby_warmup.py)
-        details["megatron_core_ahead"] = standby.in_worker() and _imported_ahead()
+        details["megatron_core_ahead"] = patches.imported_ahead()
     launcher = standby.launcher_pid() if "TORCHELASTIC_RUN_ID" in os.environ and first_in_process else None
     launcher_started = process_started_unix(launcher) if launcher else None
     details["launcher_started"] = launcher_started
@@ -206,12 +208,6 @@ def process_started_unix(pid: int | str = "self") -> float | None:
         return now - uptime + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: start, ticks since boot
     except (OSError, ValueError, IndexError):
         return None
-
-
-def _imported_ahead() -> bool:
-    from megatron_resil import patches
-
-    return patches.imported_ahead()
 
 
 def _tail_lines(path: str) -> list[str]:

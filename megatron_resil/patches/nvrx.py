@@ -14,8 +14,7 @@ import argparse
 import functools
 import sys
 
-from megatron_resil.module_files import module_path
-from megatron_resil.patches import Has, Patch, Says, Takes
+from megatron_resil.patches import Has, Patch, Says, Takes, _source_on_disk
 
 PACKAGE = "nvidia-resiliency-ext"
 WRITTEN_FOR = ">=0.4.1,<0.8"
@@ -31,7 +30,6 @@ _RDZV = f"{_FT}._ft_rendezvous"
 _HANDLER = f"{_RDZV}:FtRendezvousHandler"
 KEEP_ALIVE = "NVRx rendezvous keep-alive from --rdzv-conf"
 KEEP_ALIVE_KEYS = ("keep_alive_interval", "keep_alive_max_attempt")  # torch's names, whole numbers
-NVRX_KEEP_ALIVE = (5, 3)  # what NVRx 0.4.1 hard-codes: seconds between heartbeats, missed beats
 
 
 def _launcher_only(args: argparse.Namespace | None) -> bool:
@@ -41,11 +39,10 @@ def _launcher_only(args: argparse.Namespace | None) -> bool:
 
 
 def _read(module_name: str) -> str | None:
-    path = module_path(module_name)
-    if path is None or not path.endswith(".py"):
+    try:
+        return _source_on_disk(module_name)
+    except LookupError:  # not in this NVRx
         return None
-    with open(path, encoding="utf-8") as f:
-        return f.read()
 
 
 def keep_alive_not_needed() -> str | None:

@@ -19,8 +19,10 @@ does minus the graph breaks, and hands over to torch's wrapper once dynamo is im
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
+import os
 import sys
 
 from megatron_resil.patches import STAND_DOWN, Has, Patch, Says
@@ -163,8 +165,6 @@ PATCHES = (
 
 def cuda_device_count_in_a_child() -> int:
     """torch.cuda.device_count() as a forked child finds it (the child is marked, not this process)."""
-    import os
-
     import torch
 
     read, write = os.pipe()
@@ -184,8 +184,6 @@ def cuda_device_count_in_a_child() -> int:
 
 def forks_cannot_use_cuda() -> bool:
     """Whether a process forked from this one now would be refused CUDA by torch."""
-    import os
-
     import torch
 
     pid = os.fork()
@@ -195,24 +193,18 @@ def forks_cannot_use_cuda() -> bool:
     return os.waitstatus_to_exitcode(status) != 0
 
 
-class cuda_count_answered:  # noqa: N801 - used as a context manager, like contextlib's
+@contextlib.contextmanager
+def cuda_count_answered(count: int):
     """While inside, torch.cuda.device_count() and torch._C._cuda_getDeviceCount() return `count`."""
+    import torch
 
-    def __init__(self, count: int) -> None:
-        self.count = count
-
-    def __enter__(self):
-        import torch
-
-        self.saved = (torch.cuda.device_count, getattr(torch._C, "_cuda_getDeviceCount", None))
-        torch.cuda.device_count = lambda: self.count
-        if self.saved[1] is not None:
-            torch._C._cuda_getDeviceCount = lambda: self.count
-        return self
-
-    def __exit__(self, *exc) -> None:
-        import torch
-
-        torch.cuda.device_count = self.saved[0]
-        if self.saved[1] is not None:
-            torch._C._cuda_getDeviceCount = self.saved[1]
+    saved = torch.cuda.device_count, getattr(torch._C, "_cuda_getDeviceCount", None)
+    torch.cuda.device_count = lambda: count
+    if saved[1] is not None:
+        torch._C._cuda_getDeviceCount = lambda: count
+    try:
+        yield
+    finally:
+        torch.cuda.device_count = saved[0]
+        if saved[1] is not None:
+            torch._C._cuda_getDeviceCount = saved[1]

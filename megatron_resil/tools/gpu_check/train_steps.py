@@ -157,8 +157,8 @@ def step_time_ratio(check: Check) -> tuple[dict, str]:
 
 def standby(check: Check) -> tuple[dict, str]:
     """The train run again, its rank forked from a launcher's standby that imported megatron-core ahead
-    (docs/standby.md): the standby asks about CUDA through NVML only, so the forked rank can initialize
-    CUDA; its losses are the train run's."""
+    (docs/standby.md): the standby asks about CUDA devices in a child of its own, so the forked rank can
+    initialize CUDA; its losses are the train run's."""
     if not check.cuda:
         raise Skipped("needs CUDA")  # on CPU: tests/test_standby_warmup.py
     save = check.fresh_dir("standby")
