@@ -10,7 +10,7 @@ import re
 from collections.abc import Callable
 
 MAX_LAYERS = 1 << 14  # more than any model has (arguments/sizes.py bounds --num-layers by it too)
-_MAX_NESTING = 32  # parentheses and brackets inside each other
+_MAX_NESTING = 32  # parentheses inside each other (a list holds only 0s and 1s)
 _MAX_DIGITS = len(str(MAX_LAYERS))
 _TOKENS = re.compile(r"\s*(?:([0-9]+)|(\S))")
 _FREQUENCY = re.compile(r"\s*\+?([0-9]+)\s*")
@@ -18,8 +18,8 @@ _FREQUENCY = re.compile(r"\s*\+?([0-9]+)\s*")
 Pattern = int | list[int]
 
 
-class _Refused(Exception):
-    """Why the text is no layer pattern (a clause)."""
+class PatternError(ValueError):
+    """Why a text is no layer pattern (a clause)."""
 
 
 def is_value(value) -> bool:
@@ -32,18 +32,18 @@ def is_value(value) -> bool:
 
 
 def parse(text: str) -> Pattern:
-    """N (no bracket, as Megatron-LM reads it) or the list the expression makes; raises _Refused."""
+    """N (no bracket: as Megatron-LM reads it) or the list the expression makes; raises PatternError."""
     if "[" not in text:
         found = _FREQUENCY.fullmatch(text)
         if found is None:
-            raise _Refused("N, or a list expression of 0 and 1 such as ([0]*1+[1]*15)")
+            raise PatternError("N, or a list expression of 0 and 1 such as ([0]*1+[1]*15)")
         return _number(found.group(1))
     reader = _Reader(text)
     value = reader.expression(0)
     if reader.position < len(reader.tokens):
-        raise _Refused(f"unexpected {reader.tokens[reader.position]!r}")
+        raise PatternError(f"unexpected {reader.tokens[reader.position]!r}")
     if not isinstance(value, list) or not value:
-        raise _Refused("the expression makes no list of layers")
+        raise PatternError("the expression makes no list of layers")
     return value
 
 
@@ -52,8 +52,9 @@ def argument_type(name: str) -> Callable[[str], Pattern]:
     def read(text: str) -> Pattern:
         try:
             return parse(text)
-        except _Refused as why:
-            raise argparse.ArgumentTypeError(f"invalid {name} value: {text!r} ({why})") from None
+        except PatternError as why:
+            shown = repr(text[:80]) + ("..." if len(text) > 80 else "")
+            raise argparse.ArgumentTypeError(f"invalid {name} value: {shown} ({why})") from None
 
     read.__name__ = name
     read.accepts = is_value  # what a checkpoint's saved value is checked by (arguments/checkpoint_args.py)
@@ -63,7 +64,7 @@ def argument_type(name: str) -> Callable[[str], Pattern]:
 def _number(digits: str) -> int:
     if len(digits) > _MAX_DIGITS or not 1 <= int(digits) <= MAX_LAYERS:
         shown = digits if len(digits) <= 12 else f"a number of {len(digits)} digits"
-        raise _Refused(f"{shown} is not between 1 and {MAX_LAYERS}")
+        raise PatternError(f"{shown} is not between 1 and {MAX_LAYERS}")
     return int(digits)
 
 
@@ -81,7 +82,7 @@ class _Reader:
     def _take(self) -> str:
         token = self._peek()
         if token is None:
-            raise _Refused("it ends too early")
+            raise PatternError("it ends too early")
         self.position += 1
         return token
 
@@ -91,7 +92,7 @@ class _Reader:
             self._take()
             right = self._term(depth)
             if isinstance(value, list) != isinstance(right, list):
-                raise _Refused("+ joins two lists or two numbers")
+                raise PatternError("+ joins two lists or two numbers")
             _check_size(len(value) + len(right) if isinstance(value, list) else value + right)
             if isinstance(value, list):
                 value.extend(right)  # in place: a long sum of short lists stays linear
@@ -105,7 +106,7 @@ class _Reader:
             self._take()
             right = self._factor(depth)
             if isinstance(value, list) and isinstance(right, list):
-                raise _Refused("* repeats a list a number of times")
+                raise PatternError("* repeats a list a number of times")
             length = len(value) if isinstance(value, list) else len(right) if isinstance(right, list) else 1
             times = right if isinstance(value, list) else value if isinstance(right, list) else value * right
             _check_size(length * times)
@@ -114,36 +115,36 @@ class _Reader:
 
     def _factor(self, depth: int) -> Pattern:
         if depth >= _MAX_NESTING:
-            raise _Refused(f"nested more than {_MAX_NESTING} deep")
+            raise PatternError(f"nested more than {_MAX_NESTING} deep")
         token = self._take()
         if token[0] in "0123456789":
             return _number(token)
         if token == "(":
             value = self.expression(depth + 1)
             if self._take() != ")":
-                raise _Refused("a ( is not closed")
+                raise PatternError("a ( is not closed")
             return value
         if token == "[":
             return self._list()
         if token == "*":
-            raise _Refused("** (a power) is no part of a layer pattern: lists, numbers, + and * only")
-        raise _Refused(f"unexpected {token!r}")
+            raise PatternError("** (a power) is no part of a layer pattern: lists, numbers, + and * only")
+        raise PatternError(f"unexpected {token!r}")
 
     def _list(self) -> list[int]:
         layers: list[int] = []
         while (token := self._take()) != "]":
             if token not in ("0", "1"):
-                raise _Refused(f"a list holds 0 (dense) and 1 only, not {token[:8]!r}")
+                raise PatternError(f"a list holds 0 (dense) and 1 only, not {token[:8]!r}")
             layers.append(int(token))
             _check_size(len(layers))
             if self._peek() == ",":
                 self._take()
             elif self._peek() != "]":
-                raise _Refused("list items are separated by commas")
+                raise PatternError("list items are separated by commas")
         return layers
 
 
 def _check_size(size: int) -> None:
     """Before a list of `size` layers (or a number that large) is built."""
     if size > MAX_LAYERS:
-        raise _Refused(f"it makes {size} layers, more than any model has ({MAX_LAYERS})")
+        raise PatternError(f"it makes {size} layers, more than any model has ({MAX_LAYERS})")
