@@ -379,6 +379,38 @@ def test_moe_layer_freq_takes_megatrons_pattern_expressions(capsys):
     assert "lists 3 layers, not --num-layers 2" in line
 
 
+# Every form of --moe-layer-freq in Megatron-LM's functional-test configs and example scripts, with the
+# layers it makes (the config's --num-layers).
+MEGATRON_LM_LAYER_PATTERNS = {
+    "([0]*3+[1]*11)": [0] * 3 + [1] * 11, "([0]*1+[1]*15)": [0] + [1] * 15,
+    "([0]*4+[1]*9)": [0] * 4 + [1] * 9, "([0]*3+[1]*12)": [0] * 3 + [1] * 12, "([0]*1+[1]*1)": [0, 1],
+    "([0]*3+[1]*13)": [0] * 3 + [1] * 13,
+    "([0]*3+[1]*5)": [0] * 3 + [1] * 5, "[0]*3+[1]*58": [0] * 3 + [1] * 58, "([0]+[1]*26)": [0] + [1] * 26,
+    "([0,1]*24)": [0, 1] * 24, "[0]*1+[1]*60": [0] + [1] * 60, "[1, 0, 1]": [1, 0, 1],
+    "([1]*3+[0]*2)*2": [1, 1, 1, 0, 0] * 2, "1": 1, "3": 3,
+}
+
+
+def test_moe_layer_freq_is_read_by_a_grammar_never_evaluated(capsys):
+    """Megatron-LM evaluates the text; here every form its configs use reads as there, and what is no list
+    of layers, or more layers than any model has, is refused in one line before anything is built."""
+    from megatron_resil.arguments import build_parser
+    from megatron_resil.arguments.layer_pattern import MAX_LAYERS
+
+    parser = build_parser()
+    for text, layers in MEGATRON_LM_LAYER_PATTERNS.items():
+        assert parser.parse_args([*_base(), "--moe-layer-freq", text]).moe_layer_freq == layers, text
+    for text, why in (("[0]*99**99", "a power"), ("9**9**9", "N, or a list expression"),
+                      ("[0]*1000000000", "1000000000 is not between 1 and"),
+                      (f"[0]*{MAX_LAYERS}+[1]", f"it makes {MAX_LAYERS + 1} layers, more than any model has"),
+                      ("(" * 100 + "[1]" + ")" * 100, "nested more than"),
+                      ("[2]*4", "a list holds 0 (dense) and 1 only"),
+                      ("0", "0 is not between 1 and")):
+        line = _refused(_base("--moe-layer-freq", text), capsys)
+        assert line.startswith("pretrain.py: error: argument --moe-layer-freq: invalid moe layer pattern "
+                               "value:") and why in line, line
+
+
 def test_a_flag_the_installed_megatron_core_lacks_is_refused(monkeypatch, capsys):
     monkeypatch.setattr(flag_table, "config_fields", lambda config: frozenset())
     line = _refused(_base("--rotary-interleaved"), capsys)
