@@ -135,7 +135,8 @@ class GlobalTier(CheckpointTier):
     def verify(self, candidate: TierCandidate) -> str | None:
         path = candidate.path
         if os.path.islink(path):  # its files would be wherever the link points, outside this directory
-            return f"is a symlink to {os.readlink(path)}; a checkpoint is a directory of its own"
+            return f"is a symlink to {untrusted.escape_untrusted(os.readlink(path))}; a checkpoint is a " \
+                "directory of its own"
         if not os.path.isdir(path):
             return "directory missing"
         # Sizes and checksums would be of a link's target; a FIFO would block the first read of it.
@@ -241,7 +242,8 @@ class GlobalTier(CheckpointTier):
             is_link = os.path.islink(candidate.path)
             os.rename(candidate.path, target)  # a link is renamed itself; its target is left alone
             if not is_link:  # written into a link, the reason would land in the directory it points to
-                replace_file_text(os.path.join(target, "QUARANTINE_REASON.txt"), reason + "\n")
+                replace_file_text(os.path.join(target, "QUARANTINE_REASON.txt"),
+                                  untrusted.escape_untrusted(reason) + "\n")
             fsync_dir(self.root)
         except OSError as err:
             events.decision("quarantine", f"could not move {candidate.path} aside ({err.strerror or err}); "

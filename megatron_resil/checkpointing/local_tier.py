@@ -290,7 +290,8 @@ class LocalTier(CheckpointTier):
             for part in (path, Path(str(path) + MANIFEST_SUFFIX)):
                 if part.exists():
                     os.replace(part, target / part.name)
-            replace_file_text(str(target / (path.name + ".REASON.txt")), reason + "\n")
+            replace_file_text(str(target / (path.name + ".REASON.txt")),
+                              untrusted.escape_untrusted(reason) + "\n")
 
     # ---- save side -------------------------------------------------------------------------
     def _seal(self, sharded_state: dict, iteration: int) -> SealedShard:
