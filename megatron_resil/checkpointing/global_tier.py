@@ -203,11 +203,13 @@ class GlobalTier(CheckpointTier):
         if not parallel_state.model_parallel_is_initialized():
             every_file = self.verify_checksums
             return torch_format.reason_of(lambda: torch_format.check_all(path, every_file=every_file))
-        files = torch_format.RankFiles(path)
+        files = torch_format.RankFiles(path, self.max_rank_bytes)
         if not files.present():
             return NotForThisRun(f"it holds no {files.model_file} for this rank: saved under another "
                                  "parallel layout, and a --ckpt-format torch checkpoint loads only under the "
                                  "tensor-, pipeline- and expert-parallel sizes that saved it")
+        if (larger := files.larger_than_this_model()) is not None:  # not quarantined: maybe a larger model's
+            return NotForThisRun(larger)
         reason = torch_format.reason_of(files.read)
         if reason is None:
             self._rank_files = files
@@ -220,7 +222,7 @@ class GlobalTier(CheckpointTier):
             return self._rank_files
         if not torch_format.is_torch_checkpoint(candidate.path):
             return None
-        files = torch_format.RankFiles(candidate.path)
+        files = torch_format.RankFiles(candidate.path, self.max_rank_bytes)
         files.read()
         return files
 
@@ -573,6 +575,7 @@ def _sharded_backend(path: str) -> str | None:
 
 def _slug(reason: str) -> str:
     for word, slug in (("checksum", "checksum"), ("refused without reading", "oversized"),
+                       ("before torch.load", "oversized"),
                        ("symlink", "link"), ("FIFO", "not-a-file"), ("device", "not-a-file"),
                        ("socket", "not-a-file"), ("inside it", "outside"),
                        ("deep", "too-deep"), ("entries", "too-many"), ("unpickle", "unsafe"),

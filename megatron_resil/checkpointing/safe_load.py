@@ -25,7 +25,8 @@ whose construction acts on the process (torch's `DeviceMesh` starts a process gr
 nested-tensor rebuild build device objects; `io.BytesIO` carries bytes that Transformer Engine unpickles
 in full later), so each read admits only the registered classes a checkpoint needs, and a layer's
 `_extra_state` bytes are themselves unpickled through an allow-list before anything else sees them.
-Every file is opened through `untrusted` (inside the checkpoint, regular, bounded in size).
+Every file is opened through `untrusted` (inside the checkpoint, regular, bounded in size), and a zip
+archive is read only if it cannot take more memory than its size (torch_archive: no compressed entry).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAM
 from torch.distributed.checkpoint import default_planner, filesystem
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-from megatron_resil.checkpointing import untrusted
+from megatron_resil.checkpointing import torch_archive, untrusted
 from megatron_resil.checkpointing.tier import CheckpointDataError
 from megatron_resil.module_files import module_path
 
@@ -174,8 +175,11 @@ def _absent_from_megatron_core(wanted: str) -> bool:
 def load_weights_only(file, name: str, extra: tuple = ()):
     """torch.load with weights_only=True (explicitly, so TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD cannot turn it
     off) and only the classes a checkpoint needs (plus `extra`), a refusal as UnsafeCheckpointError. A
-    megatron-core class the installed megatron-core lacks is read as an AbsentUpstreamValue, said once."""
+    megatron-core class the installed megatron-core lacks is read as an AbsentUpstreamValue, said once.
+    A zip archive is first checked to take no more memory than its size (torch_archive)."""
     start = file.tell() if hasattr(file, "seek") else None
+    if start is not None and torch_archive.is_archive(file):
+        torch_archive.check(file, name)
     absent: dict[str, type] = {}
     while True:
         try:
