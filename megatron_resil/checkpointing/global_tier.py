@@ -193,7 +193,7 @@ class GlobalTier(CheckpointTier):
             return reason
         if backend == torch_format.FORMAT:
             return self._verify_torch_format(path)
-        return safe_load.check_checkpoint(path, backend)
+        return safe_load.check_checkpoint(path, backend, share)
 
     def _verify_torch_format(self, path: str) -> str | None:
         """Each rank reads its own files through the allow-list (and keeps them for the load). Without

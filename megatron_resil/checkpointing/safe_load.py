@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import io
+import itertools
 import os
 import pickle
 import re
@@ -178,7 +179,7 @@ def load_weights_only(file, name: str, extra: tuple = ()):
     megatron-core class the installed megatron-core lacks is read as an AbsentUpstreamValue, said once.
     A zip archive is first checked to take no more memory than its size (torch_archive)."""
     start = file.tell() if hasattr(file, "seek") else None
-    if start is not None and torch_archive.is_archive(file):
+    if start is not None:
         torch_archive.check(file, name)
     absent: dict[str, type] = {}
     while True:
@@ -363,9 +364,11 @@ def read_legacy_common(checkpoint_dir) -> dict:
     return _read_common_pt(os.path.join(str(checkpoint_dir), COMMON_STATE_FNAME))
 
 
-def _check_items(path: str, metadata: Metadata) -> None:
+def _check_items(path: str, metadata: Metadata, share: tuple[int, int]) -> None:
     """Every storage entry of `.metadata` names a regular file inside `path` and a byte range within
-    it, checked before any of them is read; then every byte item is read through the allow-lists."""
+    it, read as stored (no DCP transform: a decompressing one is unbounded), checked before any of them is
+    read; then every byte item is read through the allow-lists, and this caller's `share` = (index, count)
+    of the tensor items has its archive checked (torch_archive), since DCP torch.load's each one whole."""
     sizes: dict[str, int] = {}
     for index, stored in metadata.storage_data.items():
         relative = getattr(stored, "relative_path", None)
@@ -378,23 +381,42 @@ def _check_items(path: str, metadata: Metadata) -> None:
             raise untrusted.UntrustedPathError(
                 f"{os.path.join(path, relative)}: item {index.fqn} is said to lie at bytes {offset}+{length} "
                 f"of a file of {sizes[relative]}")
-    for index, stored in metadata.storage_data.items():
-        if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
-            continue
-        file = os.path.join(path, stored.relative_path)
-        if stored.length > untrusted.MAX_OBJECT_BYTES:
-            raise untrusted.OversizedFileError(
-                f"{file}: item {index.fqn} has {stored.length} bytes, more than any object item can have "
-                f"({untrusted.MAX_OBJECT_BYTES}); refused without reading it")
+        if getattr(stored, "transform_descriptors", None):
+            raise untrusted.UntrustedPathError(
+                f"{os.path.join(path, relative)}: item {index.fqn} is stored through DCP's transforms "
+                f"{stored.transform_descriptors!r}, which no checkpoint of torch_dist or megatron-core uses; "
+                "refused before anything decompresses it")
+    mine, ranks = share
+    tensor_items = 0
+    for relative, items in itertools.groupby(sorted(metadata.storage_data.items(), key=_by_place),
+                                             key=lambda item: item[1].relative_path):
+        file = os.path.join(path, relative)
         with untrusted.open_regular(file) as f:
-            f.seek(stored.offset)
-            load_object_item(io.BytesIO(f.read(stored.length)), f"{file} (item {index.fqn})", index.fqn)
+            for index, stored in items:
+                shown = f"{file} (item {index.fqn})"
+                if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+                    if tensor_items % ranks == mine:
+                        torch_archive.check_item(f, stored.offset, stored.length, shown)
+                    tensor_items += 1
+                    continue
+                if stored.length > untrusted.MAX_OBJECT_BYTES:
+                    raise untrusted.OversizedFileError(
+                        f"{file}: item {index.fqn} has {stored.length} bytes, more than any object item can "
+                        f"have ({untrusted.MAX_OBJECT_BYTES}); refused without reading it")
+                f.seek(stored.offset)
+                load_object_item(io.BytesIO(f.read(stored.length)), shown, index.fqn)
 
 
-def check_checkpoint(path: str, backend: str = "torch_dist") -> str | None:
+def _by_place(item) -> tuple[str, int]:
+    """A storage entry's file and offset: one order on every rank, and each file read front to back."""
+    return item[1].relative_path, item[1].offset
+
+
+def check_checkpoint(path: str, backend: str = "torch_dist", share: tuple[int, int] = (0, 1)) -> str | None:
     """Reads every pickled object of a checkpoint through the allow-lists, without loading any tensor,
-    after checking that every file it names lies inside it: None if all of it is plain data, else the
-    refusal (the first file and class) or why it is unreadable."""
+    after checking that every file it names lies inside it, and checks the archives of this caller's
+    `share` = (index, count) of its tensor items: None if all of it is plain data, else the refusal (the
+    first file and class) or why it is unreadable."""
     try:
         if backend != "torch_dist":  # zarr: common.pt and the sharded objects' .pt files
             for relative in untrusted.regular_files(path):
@@ -410,7 +432,7 @@ def check_checkpoint(path: str, backend: str = "torch_dist") -> str | None:
             metadata = load_metadata(f, metadata_path)
         if os.path.lexists(os.path.join(path, COMMON_STATE_FNAME)):
             CommonLoadWeightsOnly().load_common(path)
-        _check_items(path, metadata)
+        _check_items(path, metadata, share)
     except CheckpointDataError as err:
         return str(err)
     except (OSError, EOFError, pickle.UnpicklingError, RuntimeError, ValueError, TypeError,

@@ -6,7 +6,8 @@ deflated took 1 GiB to read, and a stored entry that declares more than it holds
 first. torch.save writes every entry stored (uncompressed), each once. So an archive is read only if
 every entry is stored, declares the size it occupies, and all of them together fit in the file; then
 what torch.load allocates for the records is at most the file's size, which the caller bounded. Only the
-end record and the central directory are read here, never an entry.
+end record and the central directory are read here, never an entry. The same holds for each tensor item
+of a torch_dist shard, which DCP reads with torch.load (safe_load checks them at verification).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import struct
 from megatron_resil.checkpointing.tier import CheckpointDataError
 from megatron_resil.checkpointing.untrusted import escape_untrusted
 
-_LOCAL = b"PK\x03\x04"  # torch.load's own test for the zip format (torch.serialization._is_zipfile)
+_LOCAL = b"PK\x03\x04"
 _END = struct.Struct("<4s4H2LH")
 _END_SIGNATURE = b"PK\x05\x06"
 _END64_LOCATOR = struct.Struct("<4sLQL")
@@ -37,54 +38,74 @@ class CompressedArchiveError(CheckpointDataError):
     refused before torch.load would allocate or inflate any of it."""
 
 
-def is_archive(file) -> bool:
-    """`file` (at its current position) starts a zip archive, as torch.load decides it."""
-    start = file.tell()
-    head = file.read(len(_LOCAL))
-    file.seek(start)
-    return head == _LOCAL
-
-
 def check(file, name: str) -> None:
-    """Raise CompressedArchiveError unless the zip archive starting at `file`'s position (torch.load reads
-    it from there) holds only stored entries whose declared sizes add up to no more than its length.
-    `file` is left where it was."""
+    """Raise CompressedArchiveError unless the zip archive from `file`'s position to its end (torch.load
+    reads it from there) holds only stored entries whose declared sizes add up to no more than its length;
+    nothing if it is no zip archive (torch.load reads it in its legacy format, whose storages lie in the
+    file). `file` is left where it was."""
     start = file.tell()
     try:
-        length = file.seek(0, io.SEEK_END) - start
-        _check_directory(file, start, length, escape_untrusted(name))
-    except struct.error:
-        raise CompressedArchiveError(f"{escape_untrusted(name)}: a zip archive whose directory is cut short; "
-                                     "torch.save writes none such") from None
+        check_item(file, start, file.seek(0, io.SEEK_END) - start, name)
     finally:
         file.seek(start)
 
 
-def _read_at(file, start: int, offset: int, size: int) -> bytes:
-    file.seek(start + offset)
-    data = file.read(size)
-    if len(data) != size:
-        raise struct.error("short read")
-    return data
+def check_item(file, start: int, length: int, name: str) -> None:
+    """`check` of what lies at bytes `start`..`start + length` of `file` (a DCP item)."""
+    file.seek(start)
+    if file.read(len(_LOCAL)) != _LOCAL:  # torch.load's own test (torch.serialization._is_zipfile)
+        return
+    try:
+        _check_directory(_Window(file, start, length), escape_untrusted(name))
+    except struct.error:
+        raise CompressedArchiveError(f"{escape_untrusted(name)}: a zip archive whose directory is cut short; "
+                                     "torch.save writes none such") from None
 
 
-def _directory(file, start: int, length: int, name: str) -> tuple[int, int]:
+class _Window:
+    """Reads of one archive inside a file, by offset within the archive; the archive's end is read once and
+    kept, since torch.save's end record and directory almost always lie in its last few KiB."""
+
+    _TAIL = 4096
+
+    def __init__(self, file, start: int, length: int) -> None:
+        self.file, self.start, self.length = file, start, length
+        self.tail_start = max(0, length - self._TAIL)
+        self.tail = self._read(self.tail_start, length - self.tail_start)
+
+    def _read(self, offset: int, size: int) -> bytes:
+        self.file.seek(self.start + offset)
+        data = self.file.read(size)
+        if len(data) != size:
+            raise struct.error("short read")
+        return data
+
+    def read(self, offset: int, size: int) -> bytes:
+        if offset < 0 or offset + size > self.length:
+            raise struct.error("outside the archive")
+        if offset >= self.tail_start:
+            return self.tail[offset - self.tail_start:offset - self.tail_start + size]
+        return self._read(offset, size)
+
+
+def _directory(archive: _Window, name: str) -> tuple[int, int]:
     """(offset, size) of the central directory, from the end record (its zip64 form where present, as
     torch's reader takes it)."""
-    tail_size = min(length, _END.size + _MAX_COMMENT)
-    tail = _read_at(file, start, length - tail_size, tail_size)
+    length = archive.length
+    tail, tail_start = archive.tail, archive.tail_start
+    if tail.rfind(_END_SIGNATURE) < 0:  # torch.save writes no comment; a zip comment can push it back
+        tail_start = max(0, length - _END.size - _MAX_COMMENT)
+        tail = archive.read(tail_start, length - tail_start)
     at = tail.rfind(_END_SIGNATURE)
     if at < 0:
         raise CompressedArchiveError(f"{name}: no zip end record; not an archive torch.save wrote")
-    end_offset = length - tail_size + at
+    end_offset = tail_start + at
     _, _, _, _, _, size, offset, _ = _END.unpack_from(tail, at)
     if end_offset >= _END64_LOCATOR.size:
         signature, _, end64_offset, _ = _END64_LOCATOR.unpack(
-            _read_at(file, start, end_offset - _END64_LOCATOR.size, _END64_LOCATOR.size))
+            archive.read(end_offset - _END64_LOCATOR.size, _END64_LOCATOR.size))
         if signature == b"PK\x06\x07":
-            if end64_offset + _END64.size > length:
-                raise CompressedArchiveError(f"{name}: its zip64 end record lies past its end")
-            fields = _END64.unpack(_read_at(file, start, end64_offset, _END64.size))
+            fields = _END64.unpack(archive.read(end64_offset, _END64.size))
             if fields[0] == b"PK\x06\x06":
                 size, offset = fields[8], fields[9]
     if offset + size > length:
@@ -114,9 +135,9 @@ def _zip64_sizes(extra: bytes, compressed: int, uncompressed: int) -> tuple[int,
     return compressed, uncompressed
 
 
-def _check_directory(file, start: int, length: int, name: str) -> None:
-    offset, size = _directory(file, start, length, name)
-    directory = _read_at(file, start, offset, size)
+def _check_directory(archive: _Window, name: str) -> None:
+    offset, size = _directory(archive, name)
+    directory = archive.read(offset, size)
     position, declared = 0, 0
     while position < len(directory):
         fields = _CENTRAL.unpack_from(directory, position)
@@ -135,7 +156,8 @@ def _check_directory(file, start: int, length: int, name: str) -> None:
             raise CompressedArchiveError(f"{name}: entry {entry} is stored in {compressed} bytes but "
                                          f"declares {uncompressed}; refused before torch.load allocates them")
         declared += uncompressed
-        if declared > length:
-            raise CompressedArchiveError(f"{name}: its entries declare more bytes than its {length} (a zip "
-                                         "whose entries overlap); refused before torch.load allocates them")
+        if declared > archive.length:
+            raise CompressedArchiveError(f"{name}: its entries declare more bytes than its {archive.length} "
+                                         "(a zip whose entries overlap); refused before torch.load allocates "
+                                         "them")
         position = header_end + name_size + extra_size + comment_size
