@@ -48,6 +48,7 @@ from torch.distributed.checkpoint import default_planner, filesystem
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from megatron_resil.checkpointing import torch_archive, untrusted
+from megatron_resil.checkpointing.manifest import MANIFEST_NAME
 from megatron_resil.checkpointing.tier import CheckpointDataError
 from megatron_resil.module_files import module_path
 
@@ -367,8 +368,9 @@ def read_legacy_common(checkpoint_dir) -> dict:
 def _check_items(path: str, metadata: Metadata, share: tuple[int, int]) -> None:
     """Every storage entry of `.metadata` names a regular file inside `path` and a byte range within
     it, read as stored (no DCP transform: a decompressing one is unbounded), checked before any of them is
-    read; then every byte item is read through the allow-lists, and this caller's `share` = (index, count)
-    of the tensor items has its archive checked (torch_archive), since DCP torch.load's each one whole."""
+    read; then every byte item is read through the allow-lists, and the tensor items in this caller's
+    `share` = (index, count) of the files have their archives checked (torch_archive): DCP torch.load's
+    each whole."""
     sizes: dict[str, int] = {}
     for index, stored in metadata.storage_data.items():
         relative = getattr(stored, "relative_path", None)
@@ -386,25 +388,32 @@ def _check_items(path: str, metadata: Metadata, share: tuple[int, int]) -> None:
                 f"{os.path.join(path, relative)}: item {index.fqn} is stored through DCP's transforms "
                 f"{stored.transform_descriptors!r}, which no checkpoint of torch_dist or megatron-core uses; "
                 "refused before anything decompresses it")
+    # A rank checks the tensor items of the files that are its share of the manifest's checksums (the same
+    # order), so it opens no file it would not read anyway; every rank reads every byte item.
     mine, ranks = share
-    tensor_items = 0
-    for relative, items in itertools.groupby(sorted(metadata.storage_data.items(), key=_by_place),
-                                             key=lambda item: item[1].relative_path):
+    order = [name for name in untrusted.regular_files(path) if name != MANIFEST_NAME]
+    ours = {name for position, name in enumerate(order) if position % ranks == mine}
+    for relative, entries in itertools.groupby(sorted(metadata.storage_data.items(), key=_by_place),
+                                               key=lambda entry: entry[1].relative_path):
+        objects, tensors = [], []
+        for index, stored in entries:
+            if isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+                objects.append((index, stored))
+            elif relative in ours:
+                tensors.append((index, stored))
+        if not objects and not tensors:
+            continue
         file = os.path.join(path, relative)
         with untrusted.open_regular(file) as f:
-            for index, stored in items:
-                shown = f"{file} (item {index.fqn})"
-                if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
-                    if tensor_items % ranks == mine:
-                        torch_archive.check_item(f, stored.offset, stored.length, shown)
-                    tensor_items += 1
-                    continue
+            for index, stored in objects:
                 if stored.length > untrusted.MAX_OBJECT_BYTES:
                     raise untrusted.OversizedFileError(
                         f"{file}: item {index.fqn} has {stored.length} bytes, more than any object item can "
                         f"have ({untrusted.MAX_OBJECT_BYTES}); refused without reading it")
                 f.seek(stored.offset)
-                load_object_item(io.BytesIO(f.read(stored.length)), shown, index.fqn)
+                load_object_item(io.BytesIO(f.read(stored.length)), f"{file} (item {index.fqn})", index.fqn)
+            for index, stored in tensors:
+                torch_archive.check_item(f, stored.offset, stored.length, f"{file} (item {index.fqn})")
 
 
 def _by_place(item) -> tuple[str, int]:
@@ -414,8 +423,8 @@ def _by_place(item) -> tuple[str, int]:
 
 def check_checkpoint(path: str, backend: str = "torch_dist", share: tuple[int, int] = (0, 1)) -> str | None:
     """Reads every pickled object of a checkpoint through the allow-lists, without loading any tensor,
-    after checking that every file it names lies inside it, and checks the archives of this caller's
-    `share` = (index, count) of its tensor items: None if all of it is plain data, else the refusal (the
+    after checking that every file it names lies inside it, and checks the tensor items' archives in this
+    caller's `share` = (index, count) of its files: None if all of it is plain data, else the refusal (the
     first file and class) or why it is unreadable."""
     try:
         if backend != "torch_dist":  # zarr: common.pt and the sharded objects' .pt files
