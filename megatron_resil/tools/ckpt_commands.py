@@ -97,7 +97,7 @@ def _is_real_dir(path: str) -> bool:
 
 def _glob_reasons(root: str) -> list[str]:
     found = []
-    for rank in sorted(os.listdir(root)) if _is_real_dir(root) else []:
+    for rank in sorted(os.listdir(root)) if os.path.isdir(root) else []:  # the root is the user's
         qdir = os.path.join(root, rank, QUARANTINE_DIR)
         if not (_is_real_dir(os.path.join(root, rank)) and _is_real_dir(qdir)):
             continue
