@@ -142,7 +142,7 @@ sys.exit(code)
 """
 
 
-def ckpt_tool_measured(*args, timeout: float = 120) -> tuple[subprocess.CompletedProcess, int]:
+def ckpt_tool_measured(*args, timeout: float = 300) -> tuple[subprocess.CompletedProcess, int]:
     """The checkpoint tool with ARGS in a fresh process, and by how many KiB its peak resident memory grew
     while the command ran (past its imports): what reading the checkpoint cost, in a process where nothing
     else ran before."""
