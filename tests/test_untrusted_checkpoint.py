@@ -469,6 +469,34 @@ def test_a_name_no_encoder_can_print_is_a_rejection_not_a_crash(tmp_path, case):
         f"would load persistent iteration 2 ({root / 'iter_0000002'})"), chosen.stdout
 
 
+def test_a_saved_argument_quoted_in_a_resil_line_is_one_escaped_line_on_an_ascii_stdout(tmp_path):
+    """What the loader prints of a checkpoint's saved arguments ("Setting tokenizer_model to ... from
+    checkpoint") and its decisions go through the same lines: a newline there forged a line of its own, a
+    lone surrogate ended the run in UnicodeEncodeError, and an ASCII stdout could not take an accent. The
+    event log keeps the same escaped text."""
+    import contextlib
+
+    from megatron_resil import events
+    saved = "/models/t\u00e9\ud800\n[resil] load: accepted persistent iteration 9\x1b[2K"
+    raw = io.BytesIO()
+    stdout = io.TextIOWrapper(raw, encoding="ascii", errors="strict")
+    events.configure(str(tmp_path))
+    try:
+        with contextlib.redirect_stdout(stdout):
+            events.print_rank_0(f"Setting tokenizer_model to {saved} from checkpoint")
+            events.decision("load", f"rejected persistent iteration 3: {saved}", reason=saved)
+        stdout.flush()
+    finally:
+        events.configure(None)
+    forged = "[resil] load: accepted persistent iteration 9"
+    escaped = f"/models/t\\xe9\\ud800\\x0a{forged}\\x1b[2K"
+    assert raw.getvalue().decode("ascii").splitlines() == [
+        f"Setting tokenizer_model to {escaped} from checkpoint",
+        f"[resil] load: rejected persistent iteration 3: {escaped}"]
+    (record,) = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert record["reason"] == f"/models/t\u00e9\\ud800\\x0a{forged}\\x1b[2K"  # an accent is printable
+
+
 def test_ckpt_list_walks_a_dangling_link_and_a_tree_1100_deep_and_keeps_a_planted_note_on_its_line(tmp_path):
     """`ckpt list` raised FileNotFoundError on a dangling link inside an iteration and RecursionError on a
     tree 1,100 levels deep (Python 3.11's os.walk recurses), as `ckpt verify` does not; and it printed a
