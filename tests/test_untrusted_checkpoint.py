@@ -123,7 +123,7 @@ def test_a_fifo_inside_is_refused_by_verify_and_by_ckpt_verify(checkpoint, name)
     assert reason is not None and f"a FIFO, {name}" in reason, reason
     tool = subprocess.run([sys.executable, "-m", "megatron_resil.tools.ckpt", "verify",
                            str(checkpoint.parent)],
-                          env=launch.env(), cwd=launch.REPO, capture_output=True, text=True, timeout=60)
+                          env=launch.env(), cwd=launch.REPO, capture_output=True, text=True, timeout=300)
     assert tool.returncode == 1 and f"a FIFO, {name}" in tool.stdout + tool.stderr, tool.stdout + tool.stderr
 
 
@@ -135,7 +135,7 @@ def test_ckpt_list_names_fifos_where_notes_and_manifests_should_be(checkpoint, t
     quarantined.mkdir()
     os.mkfifo(quarantined / "QUARANTINE_REASON.txt")
     tool = subprocess.run([sys.executable, "-m", "megatron_resil.tools.ckpt", "list", str(root)],
-                          env=launch.env(), cwd=launch.REPO, capture_output=True, text=True, timeout=60)
+                          env=launch.env(), cwd=launch.REPO, capture_output=True, text=True, timeout=300)
     assert tool.returncode == 0, tool.stdout + tool.stderr
     assert "QUARANTINE_REASON.txt is a FIFO" in tool.stdout, tool.stdout
 
