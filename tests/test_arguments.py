@@ -430,3 +430,15 @@ def test_context_parallel_needs_a_sequence_that_splits_into_twice_as_many_chunks
         distributed._validate_sequence_and_context(args)
     args.seq_length = 32
     distributed._validate_sequence_and_context(args)
+
+
+def test_every_flag_of_pretrain_is_a_row_of_one_table() -> None:
+    """One way to declare a flag: every option pretrain.py takes is a flag_table.Flag row of its concern's
+    FLAGS (the parser's own --help and --check-args-only aside), so the same rows build the parser and
+    feed the start-up checks."""
+    from megatron_resil.arguments import FLAGS, build_parser
+
+    rows = {flag.name for flag in FLAGS}
+    options = {option for action in build_parser()._actions for option in action.option_strings}
+    assert options - rows == {"-h", "--help", "--check-args-only"}
+    assert len(rows) == len(FLAGS)  # each flag once

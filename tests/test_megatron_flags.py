@@ -468,19 +468,41 @@ def test_lr_warmup_fraction_is_a_fraction_of_the_decay_as_in_megatron():
     assert scheduler.lr_warmup_steps == 0.25 * args.lr_decay_iters * args.global_batch_size
 
 
+TINY_CONFIG = ("  --num-layers: 2\n  --hidden-size: 64\n  --num-attention-heads: 4\n  --seq-length: 32\n"
+               "  --max-position-embeddings: 32\n  --micro-batch-size: 1\n  --train-iters: 4\n  --lr: 1e-3\n"
+               "  --mock-data: true\n  --tokenizer-type: NullTokenizer\n  --vocab-size: 128\n")
+
+
 def test_coverage_script_reads_a_snapshot_and_counts_accepted_configs(tmp_path):
-    """benchmarks/megatron_flag_coverage.py on a two-config Megatron-LM tree: one accepted, one refused."""
+    """benchmarks/megatron_flag_coverage.py on a small Megatron-LM tree: a config counts as accepted whole
+    only through every start-up check up to its model (built on the meta device), with its ENV_VARS, at the
+    world size of the CI recipe that lists it, and with no flag ignored."""
     tree = tmp_path / "Megatron-LM"
     cases = tree / "tests/functional_tests/test_cases"
-    (cases / "gpt/tiny_ok").mkdir(parents=True)
-    (cases / "gpt/tiny_ok/model_config.yaml").write_text(
-        "MODEL_ARGS:\n  --num-layers: 2\n  --hidden-size: 64\n  --num-attention-heads: 4\n"
-        "  --seq-length: 32\n  --max-position-embeddings: 32\n  --micro-batch-size: 1\n  --train-iters: 4\n"
-        "  --lr: 1e-3\n  --mock-data: true\n  --tokenizer-type: NullTokenizer\n  --vocab-size: 128\n"
-        "  --log-params-norm: true\n  --sequence-parallel: true\n")
-    (cases / "moe/tiny_fsdp").mkdir(parents=True)
-    (cases / "moe/tiny_fsdp/model_config.yaml").write_text(
-        "MODEL_ARGS:\n  --num-layers: 2\n  --use-megatron-fsdp: true\n  --no-such-flag: 3\n")
+    configs = {
+        "gpt/tiny_ok": "MODEL_ARGS:\n" + TINY_CONFIG + "  --log-params-norm: true\n"
+                       "  --sequence-parallel: true\n",
+        "moe/tiny_fsdp": "MODEL_ARGS:\n  --num-layers: 2\n  --use-megatron-fsdp: true\n  --no-such-flag: 3\n",
+        # Refused by our checks only with its own environment.
+        "gpt/tiny_fsdp2_env": "ENV_VARS:\n  CUDA_DEVICE_MAX_CONNECTIONS: 1\nMODEL_ARGS:\n" + TINY_CONFIG
+                              + "  --use-torch-fsdp2: true\n  --untie-embeddings-and-output-weights: true\n"
+                                "  --no-gradient-accumulation-fusion: true\n",
+        # Its recipe runs it on 2 GPUs, which tensor parallelism 4 does not fit (it would at 4 or 8).
+        "gpt/tiny_tp4": "MODEL_ARGS:\n" + TINY_CONFIG + "  --tensor-model-parallel-size: 4\n",
+        # Parses; megatron-core's TransformerConfig refuses it.
+        "moe/tiny_router_groups": "MODEL_ARGS:\n" + TINY_CONFIG + "  --num-experts: 4\n"
+                                  "  --disable-bias-linear: true\n  --moe-router-num-groups: 3\n"
+                                  "  --moe-router-group-topk: 1\n",
+        # Runs only with a flag ignored (a GPU kernel, on this host): not accepted whole.
+        "gpt/tiny_kernel": "MODEL_ARGS:\n" + TINY_CONFIG + "  --cross-entropy-loss-fusion: true\n",
+    }
+    for name, text in configs.items():
+        (cases / name).mkdir(parents=True)
+        (cases / name / "model_config.yaml").write_text(text)
+    recipe = tree / "tests/test_utils/recipes/h100/gpt.yaml"
+    recipe.parent.mkdir(parents=True)
+    recipe.write_text("spec:\n  model: gpt\n  nodes: 1\n  gpus: 2\nproducts:\n  - test_case: [tiny_tp4]\n"
+                      "    products:\n      - environment: [dev]\n")
     (cases / "gpt/tiny_inference").mkdir(parents=True)
     (cases / "gpt/tiny_inference/model_config.yaml").write_text("MODE: inference\nMODEL_ARGS:\n  --x: 1\n")
     script = "torchrun --nproc_per_node 1 pretrain_gpt.py --num-layers 2 --hidden-size 64 " \
@@ -496,12 +518,23 @@ def test_coverage_script_reads_a_snapshot_and_counts_accepted_configs(tmp_path):
     assert result.returncode == 0, result.stderr
     import json
     summary = json.loads(report.read_text())
-    counts = (summary["configs"], summary["configs_accepted_whole"], summary["configs_all_flags_known"])
-    assert counts == (2, 1, 1)
-    flags = {row["flag"] for row in summary["refused_flags"]}
-    assert {"--no-such-flag", "--use-megatron-fsdp"} <= flags
+    counts = (summary["configs"], summary["configs_accepted_whole"], summary["configs_all_flags_known"],
+              summary["configs_accepted_whole_model_built"])
+    assert counts == (6, 1, 5, 1)
+    refused = summary["configs_refused"]
+    source = "tests/functional_tests/test_cases/"
+    assert {"--no-such-flag", "--use-megatron-fsdp"} <= set(refused[source + "moe/tiny_fsdp"])
+    assert refused[source + "gpt/tiny_fsdp2_env"] == ["--use-torch-fsdp2"]
+    reasons = {row["flag"]: row["first_reason"] for row in summary["refused_flags"]}
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" in reasons["--use-torch-fsdp2"]
+    assert refused[source + "gpt/tiny_tp4"] == ["--tensor-model-parallel-size"]
+    assert summary["world_size_of"][source + "gpt/tiny_tp4"] == [2, "tests/test_utils/recipes/h100/gpt.yaml"]
+    assert summary["world_size_of"][source + "gpt/tiny_ok"] == [8, "--world-size"]  # no recipe lists it
+    [groups] = refused[source + "moe/tiny_router_groups"]
+    assert groups.startswith("megatron-core") and "moe_router_num_groups" in groups
+    assert list(summary["configs_dropping_flags"]) == [source + "gpt/tiny_kernel"]
     assert all(v["accepted"] for v in summary["examples"].values())
-    assert "accepted whole: 1/2 = 50.0%" in result.stdout
+    assert "accepted whole: 1/6 = 16.7%" in result.stdout
 
 
 # --- training (slow) -------------------------------------------------------------------------------------
