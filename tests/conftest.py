@@ -65,16 +65,22 @@ def _standby(tmp_path_factory):
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "megatron_resil.standby", "--name", name], env=env(),
                                 cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    value = f"{name}@{proc.pid}"  # as a launcher's standby is named: the ranks check who holds the name
     deadline = time.monotonic() + 120
-    while not standby.ping(name):
+    while not standby.ping(value):
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             pytest.exit(f"the tests' standby did not start: {log.read_text()[-2000:]}", returncode=1)
         time.sleep(0.1)
-    os.environ[standby.ENV] = name
+    os.environ[standby.ENV] = value
     try:
-        yield name
+        yield value
     finally:
         os.environ.pop(standby.ENV, None)
-        proc.terminate()
-        proc.wait(timeout=30)
+        proc.terminate()  # it ends once its ranks have: a test's leftover rank must not hold the session
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
