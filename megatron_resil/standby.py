@@ -403,10 +403,15 @@ def _accept(listener: socket.socket, pending: dict[socket.socket, wire.Pending])
     """Take a connection: a client of this uid is read from without waiting; anyone else is closed."""
     try:
         conn, _ = listener.accept()
-        pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-        request = wire.Pending(conn, pid)
     except OSError as err:  # out of descriptors, say: the rank waits in the backlog (its handshake allows)
         print(f"[resil] standby: cannot take a connection ({err.strerror})", flush=True)
+        return
+    try:
+        pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        request = wire.Pending(conn, pid)
+    except OSError as err:
+        print(f"[resil] standby: dropped a connection: {err.strerror}", flush=True)
+        conn.close()
         return
     if uid != os.geteuid():
         _drop(request, f"uid {uid} is not the standby's ({os.geteuid()}): nothing read")
