@@ -39,7 +39,10 @@ def pytest_collection_modifyitems(session, config, items):
 # the tests start hands itself to it: about half of a 2-rank launch's CPU is each rank importing torch, on
 # 2 cores that is the suite's time. Ranks that cannot use it (another interpreter, PYTHONPATH or
 # import-time environment, --inprocess-restart) say so and import for themselves.
-# MEGATRON_RESIL_TEST_STANDBY=0 runs the suite without it, every rank importing for itself.
+# MEGATRON_RESIL_TEST_STANDBY=0 runs the suite without it, every rank importing for itself. Users' ranks
+# start cold unless they ask for a standby, so the cold tier (tests marked `cold`: a resume after a rank
+# is killed, a signal during a save) always runs that way; the Slurm tests start a standby inside the job,
+# or none (tests/test_slurm.py).
 
 import os  # noqa: E402
 import subprocess  # noqa: E402
@@ -84,3 +87,9 @@ def _standby(tmp_path_factory):
             proc.kill()
             proc.wait()
 
+
+@pytest.fixture(autouse=True)
+def _cold_tier(request, monkeypatch):
+    """A test marked `cold` starts its ranks without the tests' standby."""
+    if request.node.get_closest_marker("cold") is not None:
+        monkeypatch.delenv("MEGATRON_RESIL_STANDBY", raising=False)
