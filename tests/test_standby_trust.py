@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TextIO
 
 import pytest
 
@@ -86,8 +87,8 @@ def _first_line(proc: subprocess.Popen, timeout: float = 60) -> tuple[str, int]:
 
 
 def _finish(proc: subprocess.Popen) -> tuple[str, str]:
-    out, err = proc.communicate(timeout=60)
-    return out, err
+    """What the client wrote (stdout, stderr), once it has ended."""
+    return proc.communicate(timeout=60)
 
 
 def _resil_lines(text: str) -> list[str]:
@@ -99,7 +100,7 @@ def _unrelated() -> subprocess.Popen:
     return subprocess.Popen(["sleep", "600"])
 
 
-def _hold_name(name: str, answer: int, uid: int | None = None) -> tuple[int, int]:
+def _hold_name(name: str, answer: int, uid: int | None = None) -> tuple[int, TextIO]:
     """A process (this test's fork, as `uid` if given) that binds `name` first, as anyone may. It takes
     one connection, reads a whole request if one comes, answers it with `answer` as the pid of its
     "worker" (what a listener did to a root rank: it then SIGKILLed that pid) and closes; then it
@@ -141,7 +142,7 @@ def _hold_name(name: str, answer: int, uid: int | None = None) -> tuple[int, int
     return child, reader
 
 
-def _report(child: int, reader) -> dict:
+def _report(child: int, reader: TextIO) -> dict:
     ready, _, _ = select.select([reader], [], [], 60)
     assert ready, "the name's holder reported nothing"
     report = json.loads(reader.readline())
