@@ -1,8 +1,10 @@
 """How a rank and its standby talk (standby.py): what a message is, and what a request must be.
 
 A message is JSON behind a 4-byte length, over a Unix stream socket, with descriptors (SCM_RIGHTS) beside
-a request. Every message is bounded in size and nesting before it is parsed, and a request is checked
-field by field against a schema before anything reads it (issue 35: `[]` and `"[" * 100000` ended the
+a request. Every message is bounded before it is parsed, in bytes and in how many arrays, objects and
+items it can make the parser build (counted at C speed);
+the parser's recursion guard bounds its nesting, and a request is checked field by field against a
+schema, three levels deep, before anything reads it (issue 35: `[]` and `"[" * 100000` ended the
 standby, and every rank it ran, with an AttributeError and a RecursionError). The standby reads requests
 as they come, never waiting on one (`Pending`): a connection that sends slowly, or never, is dropped at
 its deadline while the standby goes on tending its ranks.
@@ -12,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import socket
 import struct
 import time
@@ -20,10 +21,13 @@ import time
 from megatron_resil import standby_settings
 
 HEADER = struct.Struct("!I")
-# A request is a few KiB to a few hundred (the environment and command line: Linux's ARG_MAX is 2 MiB with
-# an 8 MiB stack), arrives at once, and is three levels deep (fingerprint -> env -> value).
+# A request is a few KiB to a few hundred (the environment and command line: Linux allows them 6 MiB at
+# most), arrives at once, and holds about 40 arrays and objects ("[" and "{") and a few hundred to a few
+# thousand commas, strings' own included. The bounds below are far above that, and keep what the largest
+# message can cost to parse to a fraction of a second (65536 floats: 0.15 s on a core shared 12 ways).
 MAX_MESSAGE = 8 << 20
-MAX_DEPTH = 6
+MAX_CONTAINERS = 4096
+MAX_ITEMS = 1 << 16
 REQUEST_SECS = 10.0  # from accept() to a request's last byte: the whole request, not each read
 
 
@@ -61,18 +65,17 @@ def _size(data: bytes | bytearray) -> int:
     return size
 
 
-_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
-_JSON_BRACKET = re.compile(rb"[\[\]{}]")
-
-
 def decode(payload: bytes | bytearray) -> object:
-    """The JSON value of a message, its nesting bounded before the parser sees it."""
-    depth = 0
-    for bracket in _JSON_BRACKET.finditer(_JSON_STRING.sub(b"", payload)):
-        depth += 1 if bracket.group() in b"[{" else -1
-        if depth > MAX_DEPTH:
-            raise ValueError(f"nested more than {MAX_DEPTH} deep")
-    return json.loads(payload)
+    """The JSON value of a message, once what it can make the parser build is known to be bounded."""
+    containers = payload.count(b"[") + payload.count(b"{")
+    if containers > MAX_CONTAINERS:
+        raise ValueError(f"{containers} arrays or objects (at most {MAX_CONTAINERS})")
+    if payload.count(b",") > MAX_ITEMS:
+        raise ValueError(f"over {MAX_ITEMS} items")
+    try:
+        return json.loads(payload)
+    except RecursionError:  # the parser's own guard, at the interpreter's recursion limit
+        raise ValueError("nested deeper than the parser allows") from None
 
 
 def short(value: object, limit: int = 200) -> str:
@@ -157,7 +160,9 @@ _REQUEST = {  # field: whether a value fits
         and all(type(how[k]) is t for k, t in _STREAM.items()) for how in v.values()),
     "marks": lambda v: isinstance(v, dict) and all(
         isinstance(k, str) and type(t) in (int, float) for k, t in v.items()),
-    "fingerprint": lambda v: isinstance(v, dict) and _environment(v.get("env", {})),
+    "fingerprint": lambda v: isinstance(v, dict) and _environment(v.get("env")) and all(  # fingerprint()
+        _string(x) or isinstance(x, list) and all(_string(i) or type(i) in (int, bool) for i in x)
+        for key, x in v.items() if key != "env"),
     # standby_settings.current()'s
     "affinity": lambda v: isinstance(v, list) and 0 < len(v) == len(set(v))
     and all(_integer(cpu, 0, (1 << 16) - 1) for cpu in v),

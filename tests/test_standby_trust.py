@@ -315,7 +315,7 @@ BAD = {
 }
 DROPPED = {
     "an array": "not a request: a JSON list, not an object",
-    "deep nesting": f"nested more than {wire.MAX_DEPTH} deep",
+    "deep nesting": f"100000 arrays or objects (at most {wire.MAX_CONTAINERS})",
     "an oversized length": f"a message of {0xFFFFFFFF} bytes (at most {wire.MAX_MESSAGE})",
     "a trickle": f"not whole {wire.REQUEST_SECS:.0f} s after it came",
 }
@@ -407,7 +407,9 @@ def _request() -> dict:
     ("env", {"A": "nul\0"}), ("cwd", None), ("path", "/x"), ("umask", 0o1000), ("umask", True), ("pid", 0),
     ("pid", "1"), ("fds", [0, 0, 1]), ("fds", [3]), ("streams", {"stdin": {}}),
     ("streams", {"stdout": {"encoding": "utf-8"}}), ("marks", {"a": "b"}), ("fingerprint", []),
-    ("fingerprint", {"env": {"A": 1}}), ("affinity", []), ("affinity", [-1]), ("nice", 20), ("nice", 1.5),
+    ("fingerprint", {"env": {"A": 1}}), ("fingerprint", {"path": "/x"}),
+    ("fingerprint", {"env": {}, "path": [["/x"]]}), ("affinity", []), ("affinity", [-1]), ("nice", 20),
+    ("nice", 1.5),
     ("rlimits", {}), ("rlimits", {**standby_settings.current()["rlimits"], "RLIMIT_NOFILE": [1]}),
     ("mempolicy", {"mode": 1}), ("mempolicy", {"mode": 1, "nodes": [standby_settings.MAX_NUMA_NODES]}),
 ])
@@ -422,8 +424,17 @@ def test_what_is_not_a_request():
     assert wire.invalid({"ping": True}, 1) == "a ping with descriptors"
     assert wire.invalid({**_request(), "extra": 1}, 3) == "missing or unknown fields: ['extra']"
     assert wire.invalid(_request(), 2) == "it names 3 descriptors and passed 2"
-    with pytest.raises(ValueError, match="nested more than"):
-        wire.decode(b"[" * 100000)
-    assert wire.decode(b'{"a": "[[[[[[[[[[[[[[[[[[[[[["}') == {"a": "[" * 22}  # brackets in strings count not
+    # What a message can make the parser build is bounded before it parses: millions of arrays, or of
+    # items, within the 8 MiB (seconds of the standby's time, and memory), and depth beyond its guard.
+    for message, why in ((b"[" * 100000, "100000 arrays or objects"), (b"[]," * 2_000_000, "arrays or"),
+                         (b"[" + b"0," * 2_000_000 + b"0]", "over 65536 items")):
+        with pytest.raises(ValueError, match=why):
+            wire.decode(message)
+    try:  # as deep as the bounds let through: the parser's guard stops it, or the schema refuses it
+        deep = wire.decode(b"[" * wire.MAX_CONTAINERS + b"]" * wire.MAX_CONTAINERS)
+    except ValueError as err:
+        assert str(err) == "nested deeper than the parser allows"
+    else:
+        assert wire.invalid(deep, 0) == "a JSON list, not an object"
     request = json.dumps(_request())
     assert wire.decode(request.encode()) == json.loads(request)
