@@ -14,7 +14,8 @@ two "nodes" (two slurmd on this host) srun starts one launcher per node and they
 The jobs run as users run them (issue 35): the jobs whose ranks Slurm signals, requeues, cancels or whose
 frozen rank ft_launcher restarts have a standby inside the job step (`RESIL_STANDBY=1`, each node's
 launcher starting its own, so Slurm holds it and its forks); the others run cold, as by default. None
-uses the standby the tests start outside the job (tests/conftest.py).
+uses the standby the tests start outside the job (tests/conftest.py), though their environment names it,
+as a user's shell may: the script does not pass it on.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_resil import standby
 from megatron_resil.tools import local_slurm
 from tests import launch
 
@@ -78,8 +80,9 @@ def _queue(env) -> str:
 
 
 def _job_env(slurm_env: dict[str, str], **extra: str) -> dict[str, str]:
-    """The job's environment: cold unless `RESIL_STANDBY` is among `extra` (a standby in the job step)."""
-    return {**launch.env(standby=False), "SLURM_CONF": slurm_env["SLURM_CONF"], "NPROC_PER_NODE": "2",
+    """The job's environment: cold unless `RESIL_STANDBY` is among `extra` (a standby in the job step).
+    It names the tests' standby, as a user's shell may name one: the script does not pass it on."""
+    return {**launch.env(), "SLURM_CONF": slurm_env["SLURM_CONF"], "NPROC_PER_NODE": "2",
             "RESIL_PYTHON": sys.executable, "MAX_RESTARTS": "0", **extra}
 
 
@@ -168,6 +171,7 @@ def test_two_jobs_on_one_node_each_train_to_completion_with_their_own_rendezvous
         assert ended == ("COMPLETED", "0:0", "0"), _story(text)
         assert "stop 0: training finished at iteration 20" in text
         assert sorted(launch.losses(text)) == list(range(1, 21))
+        _assert_cold(text, tmp_path / name)
         ports.add(re.search(r"rendezvous on \S+:(\d+)", text).group(1))
         assert (tmp_path / name / "latest_checkpointed_iteration.txt").read_text().strip() == "20"
     assert len(ports) == 2, ports  # a shared port made the second job join the first one's store
@@ -290,6 +294,15 @@ def _assert_forked_in_the_job(text: str, save: Path, attempts: int) -> None:
     assert phases == [True] * attempts, phases
 
 
+def _assert_cold(text: str, save: Path) -> None:
+    """The job's ranks imported for themselves: the standby its environment named (the tests', outside
+    the job) was not passed on."""
+    assert f"{standby.ENV}={launch.env()[standby.ENV]} names a standby outside this job" in text or \
+        standby.ENV not in launch.env(), _story(text)
+    events = [json.loads(line) for line in (save / "events.jsonl").read_text().splitlines()]
+    assert [e["details"]["standby"] for e in events if e["event"] == "restart_phases"] == [False]
+
+
 def _ancestors(pid: int) -> list[int]:
     found = []
     while (fields := launch.proc_stat(pid)) is not None and int(fields[1]) > 1:
@@ -367,3 +380,4 @@ def test_two_nodes_one_launcher_each_rendezvous_on_the_first_node(slurm_two_node
     assert len({node for node, _ in joined}) == 2 and sorted(rank for _, rank in joined) == ["0", "1"], joined
     assert sorted(launch.losses(text)) == list(range(1, 11))
     assert "stop 0: training finished at iteration 10" in text
+    _assert_cold(text, save)
