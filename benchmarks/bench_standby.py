@@ -66,15 +66,16 @@ def main() -> int:
     env = _env()
     server = subprocess.Popen([sys.executable, "-m", "megatron_resil.standby", "--name", name], env=env,
                               cwd=harness.REPO, stdout=subprocess.DEVNULL)
+    value = f"{name}@{server.pid}"  # as a launcher's standby is named
     try:
-        while not standby.ping(name):
+        while not standby.ping(value):
             if server.poll() is not None:
                 raise SystemExit("the standby did not start")
             time.sleep(0.1)
         cold, forked = [], []
         for _ in range(args.rounds):  # alternated, so load on the machine falls on both alike
             cold.append(_launch(args.ranks, args.iters, env, None))
-            forked.append(_launch(args.ranks, args.iters, {**env, standby.ENV: name}, server.pid))
+            forked.append(_launch(args.ranks, args.iters, {**env, standby.ENV: value}, server.pid))
     finally:
         server.terminate()
         server.wait()

@@ -56,12 +56,12 @@ def start(args: list[str], nproc: int = 2, log_path: Path | None = None) -> subp
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def standby_pid() -> int | None:
-    """The pid of the tests' standby of this test process (tests/conftest.py), None without one: the
-    ranks it forks, and what they start, descend from it, not from their launcher."""
-    name = os.environ.get("MEGATRON_RESIL_STANDBY")
-    found = processes_named(name) if name else []
-    return found[0] if found else None
+def standby_pid(value: str | None = None) -> int | None:
+    """The pid of the standby `value` names (NAME@PID; by default the tests' standby of this test process,
+    tests/conftest.py), None without one: the ranks it forks, and what they start, descend from it, not
+    from their launcher."""
+    value = os.environ.get("MEGATRON_RESIL_STANDBY") if value is None else value
+    return int(value.rpartition("@")[2]) if value and "@" in value else None
 
 
 def processes_named(standby: str) -> list[int]:
