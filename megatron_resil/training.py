@@ -23,22 +23,16 @@ from megatron_resil import (
     events,
     exit_codes,
     gpu_features,
-    launcher_watch,
     moe_metrics,
     parallel,
     patches,
-    rerun,
-    restart_phases,
-    signal_handler,
-    weight_hashes,
+    phase_marks,
 )
 from megatron_resil.arguments import checkpoint_args
 from megatron_resil.checkpointing import dir_lock
 from megatron_resil.checkpointing.global_tier import CheckpointSaveError
 from megatron_resil.checkpointing.manager import CheckpointConfig, CheckpointManager
 from megatron_resil.data import build_datasets, get_microbatch
-from megatron_resil.fault_injection import FaultInjector
-from megatron_resil.fault_tolerance import FaultTolerance, report_restart
 from megatron_resil.model import build_model_chunks, padded_vocab_size
 from megatron_resil.optimizer import (
     build_optimizer,
@@ -48,9 +42,12 @@ from megatron_resil.optimizer import (
     wrap_in_ddp,
 )
 from megatron_resil.progress import TrainProgress
-from megatron_resil.rerun_escape import RerunEscape
-from megatron_resil.stop_conditions import StopConditions
-from megatron_resil.straggler import StragglerDetection
+from megatron_resil.resilience import launcher_watch, rerun, restart_phases, signal_handler, weight_hashes
+from megatron_resil.resilience.fault_injection import FaultInjector
+from megatron_resil.resilience.fault_tolerance import FaultTolerance, report_restart
+from megatron_resil.resilience.rerun_escape import RerunEscape
+from megatron_resil.resilience.stop_conditions import StopConditions
+from megatron_resil.resilience.straggler import StragglerDetection
 from megatron_resil.tokenizer import build_tokenizer
 from megatron_resil.train_log import (
     TrainLogger,
@@ -99,7 +96,7 @@ def _pretrain(args: argparse.Namespace, ft: FaultTolerance) -> int:
     parallel.initialize(args)
     if args.use_checkpoint_args:  # each rank read the checkpoint's arguments itself, before this
         checkpoint_args.check_ranks_agree(args)
-    restart_phases.mark("process_groups")
+    phase_marks.mark("process_groups")
     dir_lock.lock_run_directories(args)  # before anything is written: another job may own the directory
     events.configure(args.save)
     events.record("start", world_size=args.world_size, train_iters=args.train_iters, load=args.load,
@@ -113,16 +110,16 @@ def _pretrain(args: argparse.Namespace, ft: FaultTolerance) -> int:
     ft.log_setup()
     tokenizer = build_tokenizer(args)
     model, optimizer, scheduler = build_engine(args, tokenizer.vocab_size)
-    restart_phases.mark("engine")
+    phase_marks.mark("engine")
     faults = FaultInjector(args, model)
     rerun.initialize(rerun.RerunConfig.from_args(args))  # before the load: a checkpoint may hold its state
     checkpoints = CheckpointManager(CheckpointConfig.from_args(args), model, optimizer, scheduler, args,
                                     on_staged=faults.on_staged)
     with signal_handler.loading():  # a signal now ends the process: a load can block past any grace
         progress = checkpoints.load()
-    restart_phases.mark("loaded")
+    phase_marks.mark("loaded")
     train_ds, valid_ds = build_datasets(args, tokenizer)
-    restart_phases.mark("data")
+    phase_marks.mark("data")
     ft.setup_done(resumed=progress.iteration > 0)
     try:
         code = train(args, model, optimizer, scheduler, checkpoints, progress, train_ds, valid_ds, faults, ft)

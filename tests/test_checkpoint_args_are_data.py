@@ -219,7 +219,7 @@ def test_under_trust_remote_code_the_tokenizer_directory_is_never_taken_from_the
 
 _STANDBY_READS_AHEAD = """
 import json, os, sys
-from megatron_resil import standby_warmup
+from megatron_resil.launch import standby_warmup
 results = []
 for load in sys.argv[1:]:
     request = {"argv": ["pretrain.py", *ARGV, "--load", load, "--use-checkpoint-args"],

@@ -42,7 +42,7 @@ def test_ranks_stop_within_seconds_of_their_launcher_dying_and_leave_no_orphan(t
         while "successfully saved checkpoint from iteration       3" not in log.read_text():
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.2)
-        children = launch.children(proc.pid)  # the ranks, and under ft_launcher their rank monitors
+        children = launch.children_of(proc.pid)  # the ranks, and under ft_launcher their rank monitors
         ranks = [pid for pid in children if b"LOCAL_RANK=" in Path(f"/proc/{pid}/environ").read_bytes()]
         assert len(ranks) == 2, children
         os.kill(proc.pid, signal.SIGKILL)  # the launcher alone, as an OOM killer would
@@ -58,7 +58,7 @@ def test_ranks_stop_within_seconds_of_their_launcher_dying_and_leave_no_orphan(t
             assert time.monotonic() - killed_at < 10, f"{leftovers} outlived their rank"
             time.sleep(0.1)
     finally:
-        for pid in [*launch.children(proc.pid), proc.pid]:
+        for pid in [*launch.children_of(proc.pid), proc.pid]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

@@ -57,7 +57,7 @@ def _lost_node_dropped_within(save: Path, seconds: float) -> float:
     """Seconds from the node loss to rank 0's launcher joining the next round (the restart's record): the
     rendezvous must drop the lost node first. With NVRx's keep-alive (a heartbeat every 5 s, dropped after 3
     missed) that is at least 10 s after the loss (its last heartbeat was at most 5 s before it); with the
-    drill's 1 s x 3 (megatron_resil/ft_launcher.py), 3 s plus the replacement's start-up."""
+    drill's 1 s x 3 (megatron_resil/launch/ft_launcher.py), 3 s plus the replacement's start-up."""
     events = [json.loads(line) for line in (save / "events.jsonl").read_text().splitlines()]
     (loss,) = [e for e in events if e["event"] == "fault_injected" and e.get("kind") == "node-loss"]
     record = next(e for e in events if e["event"] == "restart_phases" and e["unix"] > loss["unix"])

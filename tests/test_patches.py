@@ -108,7 +108,7 @@ def test_importing_megatron_resil_patches_nothing_and_what_it_builds_replaces_no
         print("changed by install:", len([k for k in before if before[k] != after_install[k]]))
 
         from megatron.core.rerun_state_machine import RerunStateMachine, get_rerun_state_machine
-        from megatron_resil import rerun
+        from megatron_resil.resilience import rerun
         rerun.initialize(rerun.RerunConfig(mode="report_determinism_stats"))
         machine = get_rerun_state_machine()
         os.environ["LOCAL_RANK"] = "0"  # NVRx >= 0.5 chains its GPU checks for this rank's device

@@ -22,7 +22,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
 )
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_resil import events, launcher_watch, parallel
+from megatron_resil import events, parallel
 from megatron_resil.checkpointing import (
     dcp_writer,
     layout,
@@ -49,6 +49,7 @@ from megatron_resil.checkpointing.manifest import (
 from megatron_resil.checkpointing.snapshot import SnapshotBuffers
 from megatron_resil.checkpointing.tier import AsyncSaveJob, CheckpointTier, NotForThisRun, TierCandidate
 from megatron_resil.checkpointing.tracker import read_tracker, write_tracker
+from megatron_resil.resilience import launcher_watch
 
 FORMATS = ("torch_dist", "zarr", torch_format.FORMAT)
 # megatron-core 0.16's load() takes the common.pt reader (ours reads weights-only); 0.19's has no such

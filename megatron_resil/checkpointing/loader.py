@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_resil import events, parallel, restart_phases
+from megatron_resil import events, parallel, phase_marks
 from megatron_resil.checkpointing.tier import (
     CheckpointDataError,
     CheckpointFormatError,
@@ -147,7 +147,7 @@ def load_first_verified(tiers: list[CheckpointTier], make_template: TemplateMake
             tier.quarantine(candidate, why)
             continue
         def load(tier=tier, candidate=candidate):
-            restart_phases.mark("chosen")  # verified: reading it begins
+            phase_marks.mark("chosen")  # verified: reading it begins
             try:
                 template = make_template(candidate, tier.saved_args(candidate),
                                          tier.saved_metadata(candidate))

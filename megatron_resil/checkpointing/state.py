@@ -26,11 +26,12 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.safe_globals import register_safe_globals
 from megatron.core.utils import unwrap_model
 
-from megatron_resil import events, parallel, rerun
+from megatron_resil import events, parallel
 from megatron_resil.checkpointing import safe_load, torch_format, untrusted
 from megatron_resil.checkpointing.tier import CheckpointFormatError
 from megatron_resil.optimizer import apply_overridden_schedule, check_resumed_schedule
 from megatron_resil.progress import TrainProgress
+from megatron_resil.resilience import rerun
 
 CHECKPOINT_VERSION = 3.0
 _PLAIN = (int, float, str, bool, type(None))

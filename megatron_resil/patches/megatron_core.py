@@ -379,7 +379,7 @@ _MACHINE = f"{_RERUN}:RerunStateMachine"
 def _rerun_validations_reported() -> None:
     from megatron.core.rerun_state_machine import RerunStateMachine
 
-    from megatron_resil import rerun
+    from megatron_resil.resilience import rerun
 
     validate = RerunStateMachine.validate_result
 

@@ -6,7 +6,7 @@ checked, with the call in NVRx that reaches it.
 One record replaces a method of NVRx's in-process restart Wrapper, on a host without CUDA: NVRx 0.5 and
 later run GPU health checks of their own before every restart, which cannot run there.
 
-One record replaces something, in ft_launcher's process only (`python -m megatron_resil.ft_launcher`
+One record replaces something, in ft_launcher's process only (`python -m megatron_resil.launch.ft_launcher`
 installs it by name; pretrain.py never does): NVRx 0.4.1's rendezvous hard-codes torch's keep-alive (a
 heartbeat every 5 s, a node dropped after 3 missed), where torch's own c10d rendezvous reads
 `--rdzv-conf keep_alive_interval=S,keep_alive_max_attempt=N`. The record makes NVRx read the same keys."""
@@ -36,8 +36,8 @@ KEEP_ALIVE_KEYS = ("keep_alive_interval", "keep_alive_max_attempt")  # torch's n
 
 
 def _launcher_only(args: argparse.Namespace | None) -> bool:
-    # ft_launcher's process installs it by name (megatron_resil/ft_launcher.py); a run's own install never
-    # does. With no arguments (every record, as the patch tests check them): yes.
+    # ft_launcher's process installs it by name (megatron_resil/launch/ft_launcher.py); a run's own install
+    # never does. With no arguments (every record, as the patch tests check them): yes.
     return args is None
 
 
@@ -246,7 +246,7 @@ PATCHES = (
             "(FtRendezvousHandler.from_backend), where torch's c10d rendezvous reads keep_alive_interval and "
             "keep_alive_max_attempt from --rdzv-conf: after a node loss the survivors cannot form the next "
             "round with its replacement for 10-15 s (issue 26's drill). Installed in ft_launcher's process "
-            "by megatron_resil.ft_launcher when --rdzv-conf names a key; NVRx's defaults otherwise",
+            "by megatron_resil.launch.ft_launcher when --rdzv-conf names a key; NVRx's defaults otherwise",
         checks=(
             Takes(f"{_RDZV}:create_handler", ("store", "backend", "params")),
             # NVRx's launcher imports create_handler from the module when it registers the handler, so the

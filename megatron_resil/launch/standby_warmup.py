@@ -15,7 +15,7 @@ What is bound to a process is not done ahead: the fork hook that arms each rank'
 (`Patch.per_process`) is installed by each worker, and the `--exit-duration-in-mins` budget counts from
 the start of the process the launcher started, not from this import (stop_conditions.py).
 
-`python -m megatron_resil.standby --torch-only` keeps the standby to torch, as before.
+`python -m megatron_resil.launch.standby --torch-only` keeps the standby to torch, as before.
 """
 
 from __future__ import annotations
