@@ -20,10 +20,11 @@ if "--inprocess-restart" in sys.argv[1:]:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "error")
 
 from megatron_resil.arguments import parse_args  # noqa: E402 - after the log level above
+from megatron_resil.checkpointing.saved_args import take_from_checkpoint  # noqa: E402
 
 
 def main() -> int:
-    args = parse_args()
+    args = parse_args(saved_args=take_from_checkpoint)  # --use-checkpoint-args between parsing and checks
     if args.check_args_only:
         print("pretrain.py: arguments are valid")
         return 0

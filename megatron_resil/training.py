@@ -28,8 +28,7 @@ from megatron_resil import (
     patches,
     phase_marks,
 )
-from megatron_resil.arguments import checkpoint_args
-from megatron_resil.checkpointing import dir_lock
+from megatron_resil.checkpointing import dir_lock, saved_args
 from megatron_resil.checkpointing.global_tier import CheckpointSaveError
 from megatron_resil.checkpointing.manager import CheckpointConfig, CheckpointManager
 from megatron_resil.data import build_datasets, get_microbatch
@@ -95,7 +94,7 @@ def _pretrain(args: argparse.Namespace, ft: FaultTolerance) -> int:
     _process_settings(args)
     parallel.initialize(args)
     if args.use_checkpoint_args:  # each rank read the checkpoint's arguments itself, before this
-        checkpoint_args.check_ranks_agree(args)
+        saved_args.check_ranks_agree(args)
     phase_marks.mark("process_groups")
     dir_lock.lock_run_directories(args)  # before anything is written: another job may own the directory
     events.configure(args.save)

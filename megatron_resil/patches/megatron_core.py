@@ -12,7 +12,7 @@ import inspect
 import sys
 from collections.abc import Callable
 
-from megatron_resil.patches import (
+from megatron_resil.patches.registry import (
     STAND_DOWN,
     AnyOf,
     Has,

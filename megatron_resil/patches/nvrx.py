@@ -17,7 +17,7 @@ import argparse
 import functools
 import sys
 
-from megatron_resil.patches import Has, Patch, Says, Takes, _source_on_disk
+from megatron_resil.patches.registry import Has, Patch, Says, Takes, _source_on_disk
 
 PACKAGE = "nvidia-resiliency-ext"
 WRITTEN_FOR = ">=0.4.1,<0.8"
@@ -103,13 +103,6 @@ _CONSTRUCT = f"{_INPROCESS}:Wrapper._construct_restart_health_check"
 # restart (the Wrapper's `restart_health_check`; 0.4.1 has neither): one each for the GPU, its NVLinks and
 # its InfiniBand NIC, the GPU being LOCAL_RANK's. All three read the GPU through NVML.
 GPU_HEALTH_CHECKS = ("ChainedGPUHealthCheck", "ChainedNVLHealthCheck", "ChainedNicHealthCheck")
-_left_out: tuple[str, ...] = ()
-
-
-def gpu_health_checks_left_out() -> tuple[str, ...]:
-    """The names of NVRx's GPU health checks the last Wrapper built in this process runs no more before a
-    restart (none with CUDA, or with an NVRx that has none)."""
-    return _left_out
 
 
 def _inprocess_restart_without_cuda(args: argparse.Namespace | None) -> bool:
@@ -135,16 +128,16 @@ def _gpu_health_checks_left_out_without_cuda() -> None:
 
     @functools.wraps(construct)
     def construct_without_gpu_checks(self) -> None:
-        global _left_out
+        from megatron_resil.resilience import inprocess_restart  # its set-up line names what is left out
+
         construct(self)
         chained = self.restart_health_check
-        if chained is None:
-            _left_out = ()
-            return
-        checks = getattr(chained, "instances", (chained,))  # a Compose, or a single check
-        kept = [check for check in checks if not isinstance(check, gpu_checks)]
-        self.restart_health_check = inprocess.Compose(*kept) if kept else None
-        _left_out = tuple(type(check).__name__ for check in checks if isinstance(check, gpu_checks))
+        checks = () if chained is None else getattr(chained, "instances", (chained,))  # a Compose, or one
+        if chained is not None:
+            kept = [check for check in checks if not isinstance(check, gpu_checks)]
+            self.restart_health_check = inprocess.Compose(*kept) if kept else None
+        inprocess_restart.gpu_health_checks_left_out = tuple(
+            type(check).__name__ for check in checks if isinstance(check, gpu_checks))
 
     inprocess.Wrapper._construct_restart_health_check = construct_without_gpu_checks
 
