@@ -20,7 +20,7 @@ if "--inprocess-restart" in sys.argv[1:]:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "error")
 
 from megatron_resil.arguments import parse_args  # noqa: E402 - after the log level above
-from megatron_resil.checkpointing.saved_args import take_from_checkpoint  # noqa: E402
+from megatron_resil.checkpointing import take_from_checkpoint  # noqa: E402
 
 
 def main() -> int:

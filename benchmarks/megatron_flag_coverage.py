@@ -61,7 +61,7 @@ sys.path.insert(0, str(REPO))
 
 from megatron_resil import arguments, patches  # noqa: E402
 from megatron_resil.arguments.data import BUILT_TOKENIZERS  # noqa: E402
-from megatron_resil.checkpointing.saved_args import take_from_checkpoint  # noqa: E402
+from megatron_resil.checkpointing import take_from_checkpoint  # noqa: E402
 
 CONFIG_GLOB = ("tests/functional_tests/test_cases/gpt/*/model_config.yaml",
                "tests/functional_tests/test_cases/moe/*/model_config.yaml")

@@ -20,6 +20,7 @@ from megatron.core.utils import get_batch_on_this_cp_rank, get_model_config
 
 from megatron_resil import (
     batch_schedule,
+    checkpointing,
     events,
     exit_codes,
     gpu_features,
@@ -28,9 +29,7 @@ from megatron_resil import (
     patches,
     phase_marks,
 )
-from megatron_resil.checkpointing import dir_lock, saved_args
-from megatron_resil.checkpointing.global_tier import CheckpointSaveError
-from megatron_resil.checkpointing.manager import CheckpointConfig, CheckpointManager
+from megatron_resil.checkpointing import CheckpointConfig, CheckpointManager, CheckpointSaveError
 from megatron_resil.data import build_datasets, get_microbatch
 from megatron_resil.model import build_model_chunks, padded_vocab_size
 from megatron_resil.optimizer import (
@@ -94,15 +93,15 @@ def _pretrain(args: argparse.Namespace, ft: FaultTolerance) -> int:
     _process_settings(args)
     parallel.initialize(args)
     if args.use_checkpoint_args:  # each rank read the checkpoint's arguments itself, before this
-        saved_args.check_ranks_agree(args)
+        checkpointing.check_ranks_agree(args)
     phase_marks.mark("process_groups")
-    dir_lock.lock_run_directories(args)  # before anything is written: another job may own the directory
+    checkpointing.lock_run_directories(args)  # before anything is written: another job may own the directory
     events.configure(args.save)
     events.record("start", world_size=args.world_size, train_iters=args.train_iters, load=args.load,
                   run_id=os.environ.get("TORCHELASTIC_RUN_ID"))
     for decision in patches.decisions():  # said at start-up, before the event log had a place
         events.record("patch", **decision)
-    dir_lock.record_takeovers()
+    checkpointing.record_takeovers()
     if (code := _earlier_attempt_said_stop(args)) is not None:
         return code
     report_restart()

@@ -22,10 +22,11 @@ from megatron_resil.checkpointing.canary import LoadCanary
 from megatron_resil.checkpointing.dcp_writer import prepare_for_saving
 from megatron_resil.checkpointing.global_tier import PARTIAL_LOADS, CheckpointSaveError, GlobalTier
 from megatron_resil.checkpointing.local_tier import LocalTier
+from megatron_resil.checkpointing.resumed_schedule import ScheduleMismatch
 from megatron_resil.checkpointing.retention import apply_retention
 from megatron_resil.checkpointing.tier import CheckpointTier, TierCandidate
 from megatron_resil.checkpointing.tracker import tracker_path
-from megatron_resil.optimizer import ScheduleMismatch, params_in_sync
+from megatron_resil.optimizer import params_in_sync
 from megatron_resil.progress import TrainProgress
 
 

@@ -28,8 +28,8 @@ from megatron.core.utils import unwrap_model
 
 from megatron_resil import events, parallel
 from megatron_resil.checkpointing import safe_load, torch_format, untrusted
+from megatron_resil.checkpointing.resumed_schedule import apply_overridden_schedule, check_resumed_schedule
 from megatron_resil.checkpointing.tier import CheckpointFormatError
-from megatron_resil.optimizer import apply_overridden_schedule, check_resumed_schedule
 from megatron_resil.progress import TrainProgress
 from megatron_resil.resilience import rerun
 

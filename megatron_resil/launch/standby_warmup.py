@@ -116,7 +116,7 @@ def _parse(request: dict) -> tuple:
     pretrain.py refuses. Both as the rank: the records' conditions ask about CUDA too."""
     from megatron_resil import patches
     from megatron_resil.arguments import parse_args
-    from megatron_resil.checkpointing.saved_args import take_from_checkpoint
+    from megatron_resil.checkpointing import take_from_checkpoint
 
     try:
         with _as_the_rank(request):
