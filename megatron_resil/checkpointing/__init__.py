@@ -21,7 +21,7 @@ _FACE = {
     # the trainer
     "CheckpointConfig": ("manager", "CheckpointConfig"),
     "CheckpointManager": ("manager", "CheckpointManager"),
-    "CheckpointSaveError": ("global_tier", "CheckpointSaveError"),
+    "CheckpointSaveError": ("tier", "CheckpointSaveError"),
     "lock_run_directories": ("dir_lock", "lock_run_directories"),
     "record_takeovers": ("dir_lock", "record_takeovers"),
     "take_from_checkpoint": ("saved_args", "take_from_checkpoint"),

@@ -32,12 +32,12 @@ from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager impor
 from megatron_resil import events, parallel
 from megatron_resil.checkpointing import untrusted
 from megatron_resil.checkpointing.atomic import atomic_write_text, replace_file_text
-from megatron_resil.checkpointing.global_tier import CheckpointSaveError
 from megatron_resil.checkpointing.replication import build_clique_strategy, comm_device
 from megatron_resil.checkpointing.sealed_shard import SealedShard, crc32_of, read_payload
 from megatron_resil.checkpointing.tier import (
     AsyncSaveJob,
     CheckpointDataError,
+    CheckpointSaveError,
     CheckpointTier,
     NotForThisRun,
     TierCandidate,

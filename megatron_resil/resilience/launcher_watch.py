@@ -42,10 +42,17 @@ def watch() -> None:
     threading.Thread(target=_watch, name="launcher-watch", daemon=True).start()
 
 
+def launcher_alive() -> bool:
+    """False once the launcher this rank watches is gone, though the watch thread may not have noticed
+    yet: the checkpointer asks before it publishes a save (GlobalTier's `may_publish`)."""
+    return _launcher is None or rank_process.launcher_pid() == _launcher
+
+
 def stop_if_orphaned() -> None:
     """For the main thread's error path: a rank whose peer noticed first fails in a collective before
-    its own watch does; the launcher's death is the cause to report, not that error."""
-    if _launcher is not None and rank_process.launcher_pid() != _launcher:
+    its own watch does, and a save finished after the launcher died is withheld (PublishWithheld); the
+    launcher's death is the cause to report, not that error."""
+    if not launcher_alive():
         _stop()
 
 
