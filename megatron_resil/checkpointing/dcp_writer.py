@@ -7,17 +7,20 @@ queue; only --async-save, whose worker is another process, needs the Manager: we
 ourselves, early and deaf to termination signals. And torch.save's own per-record CRC, which nothing
 checks on load, is skipped while our manifest's CRC covers the same bytes.
 
-The queue is megatron-core's private `filesystem_async._results_queue` (a dependency the patches check at
-start-up; where it is gone, megatron-core's own queue is left in place).
+megatron-core's writer asks its module's private queue getter for the queue at each save; a record in
+patches/megatron_core.py has it answered by `results_queue_from` with ours, at start-up. Where that record
+stood down, megatron-core's own queue is left in place and nothing here starts one.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import multiprocessing as mp
 import queue
 import threading
+from collections.abc import Callable
 from multiprocessing.managers import SyncManager
 
 import torch
@@ -43,31 +46,58 @@ def without_torch_record_crc():
         serialization.set_crc32_options(previous)
 
 
+_answering = False  # megatron-core's queue getter answers with ours (the record was applied)
+_this_save_queue: queue.Queue | None = None  # a synchronous save's, while it runs
+_manager_queue = None  # async saves': served by our Manager, once started
+
+
+def results_queue_from(megatron_getter: Callable) -> Callable:
+    """megatron-core's write-results queue getter, answering with this process's queue for a synchronous
+    save, else our Manager's once started, else megatron-core's own. Installed at start-up
+    (patches/megatron_core.py)."""
+    global _answering
+    _answering = True
+
+    @functools.wraps(megatron_getter)
+    def results_queue(*args, **kwargs):
+        if _this_save_queue is not None:
+            return _this_save_queue
+        if _manager_queue is not None:
+            return _manager_queue
+        return megatron_getter(*args, **kwargs)
+
+    return results_queue
+
+
+def async_results_queue():
+    """The queue async saves' results travel through, None before one exists: ours, or megatron-core's
+    own where the record stood down."""
+    return _manager_queue if _answering else getattr(filesystem_async, "_results_queue", None)
+
+
 @contextlib.contextmanager
 def results_in_this_process():
     """For a synchronous save: megatron-core's writer runs in this process (its forked helpers report
     to it through their own queue), so its results queue need not cross a process boundary."""
-    if not hasattr(filesystem_async, "_results_queue"):
-        yield
-        return
-    previous = filesystem_async._results_queue
-    filesystem_async._results_queue = queue.Queue()
+    global _this_save_queue
+    _this_save_queue = queue.Queue()
     try:
         yield
     finally:
-        filesystem_async._results_queue = previous
+        _this_save_queue = None
 
 
 def _start_write_queue() -> None:
     """megatron-core's torch_dist writer reports through a queue served by a spawned Manager process.
     A preemption signals every process of the job, and a Manager with default handlers dies at once,
     breaking the very save that --exit-signal-handler asked for. Start it ourselves, deaf to SIGTERM
-    and SIGINT (it exits with this process), and hand it to megatron-core."""
-    if getattr(filesystem_async, "_results_queue", "absent") is not None:
-        return  # already created, or this megatron-core has no such queue
+    and SIGINT (it exits with this process), for megatron-core's getter to answer with."""
+    global _manager_queue
+    if _manager_queue is not None or not _answering:
+        return  # already started, or megatron-core's own queue is in use
     manager = SyncManager(ctx=mp.get_context("spawn"))
     manager.start(initializer=write_queue_server.ignore_termination_signals)
-    filesystem_async._results_queue = manager.Queue()
+    _manager_queue = manager.Queue()
     _MANAGERS.append(manager)  # keep it alive for the life of the process
 
 

@@ -337,6 +337,16 @@ def _metadata_writes_fail_late() -> None:
     serialization.save_config = dcp_writer.failing_late(serialization.save_config)
 
 
+def _write_results_queue_ours() -> None:
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from megatron_resil.checkpointing import dcp_writer
+
+    name = "get_write_results_queue" if hasattr(filesystem_async, "get_write_results_queue") \
+        else "_get_write_results_queue"  # megatron-core 0.16's name
+    setattr(filesystem_async, name, dcp_writer.results_queue_from(getattr(filesystem_async, name)))
+
+
 # ---- a legacy common.pt read weights-only (checkpointing/safe_load.py) -----------------------------------
 
 def _legacy_common_pt_weights_only() -> None:
@@ -656,10 +666,17 @@ PATCHES = (
     Patch(
         name="write results queue",
         package=PACKAGE, written_for=WRITTEN_FOR,
-        target=f"{_FILESYSTEM_ASYNC}:_results_queue",
-        why="dcp_writer sets the module's private results queue: an in-process queue for a synchronous save, "
-            "a Manager started early and deaf to SIGTERM for async saves",
-        checks=(Has(f"{_FILESYSTEM_ASYNC}:_results_queue"), Says(_FILESYSTEM_ASYNC, "global _results_queue")),
+        target=f"{_FILESYSTEM_ASYNC}:get_write_results_queue",  # 0.16: _get_write_results_queue
+        why="megatron-core's writer asks its module's queue getter at each save; ours answers (dcp_writer): "
+            "an in-process queue for a synchronous save, a Manager started early and deaf to SIGTERM for "
+            "async saves",
+        checks=(AnyOf((Has(f"{_FILESYSTEM_ASYNC}:get_write_results_queue"),
+                       Has(f"{_FILESYSTEM_ASYNC}:_get_write_results_queue"))),
+                AnyOf((Says(f"{_FILESYSTEM_ASYNC}:FileSystemWriterAsync.prepare_write_data",
+                            "self.results_queue = get_write_results_queue()"),
+                       Says(f"{_FILESYSTEM_ASYNC}:FileSystemWriterAsync.prepare_write_data",
+                            "self.results_queue = _get_write_results_queue()")))),
+        apply=_write_results_queue_ours,
         on_mismatch=STAND_DOWN,
         without="megatron-core starts its own Manager, which costs each rank an interpreter and dies with a "
                 "job-wide SIGTERM",

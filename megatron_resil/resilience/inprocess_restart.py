@@ -30,9 +30,9 @@ from multiprocessing.managers import SyncManager
 
 import torch
 import torch.distributed as dist
-from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from megatron_resil import events, exit_codes, parallel
+from megatron_resil.checkpointing import dcp_writer
 
 with warnings.catch_warnings():  # NVRx's pynvml deprecation warning is noise on every rank
     warnings.simplefilter("ignore")
@@ -313,7 +313,7 @@ def _stop_checkpoint_writers() -> None:
     # A save interrupted between writing and collecting its results leaves them in that queue, where
     # the next save would take them for its own. (A queue that is itself broken is the next save's to
     # report, not a reason to end the job here.)
-    results = getattr(filesystem_async, "_results_queue", None)
+    results = dcp_writer.async_results_queue()
     with contextlib.suppress(Exception):
         while results is not None and not results.empty():
             results.get_nowait()
