@@ -72,6 +72,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--async-save-max-failures", type=int, default=3,
                    help="this many failed async saves in a row end the job with exit code 4 (one failed "
                         "save is dropped and training continues)")
+    g.add_argument("--async-save-when-busy", choices=("wait", "skip"), default="wait",
+                   help="an interval save due while the previous async save is still being written: wait "
+                        "for it, then save (default, as Megatron: no save is lost, the trainer stalls), or "
+                        "skip this save and train on (the next one comes at the next interval). Said once "
+                        "with the figures either way; the save at exit always waits")
     g.add_argument("--ckpt-assume-constant-structure", action="store_true",
                    help="the model and optimizer state keep their structure for the whole job (as in "
                         "Megatron): torch_dist saves after the first reuse its plan and its spread over "
