@@ -118,6 +118,7 @@ def _pretrain(args: argparse.Namespace, ft: FaultTolerance) -> int:
     rerun.initialize(rerun.RerunConfig.from_args(args))  # before the load: a checkpoint may hold its state
     checkpoints = CheckpointManager(CheckpointConfig.from_args(args), model, optimizer, scheduler, args,
                                     on_staged=faults.on_staged)
+    faults.before_writing_state = checkpoints.before_state_changes
     with signal_handler.loading():  # a signal now ends the process: a load can block past any grace
         progress = checkpoints.load()
     restart_phases.mark("loaded")

@@ -60,7 +60,7 @@ def test_async_checkpoints_are_published_atomically_and_resume_exactly(tmp_path)
     background = [e for e in published if e.get("asynchronous")]
     assert {e["iteration"] for e in background} == {1, 2, 3, 4, 5, 6}, published
     for e in background:
-        assert set(e["blocking_parts"]) == {"prepare", "stage", "copy_wait", "wait", "finalize"}, e
+        assert set(e["blocking_parts"]) == {"prepare", "plan", "copy", "copy_wait", "wait", "finalize"}, e
         assert math.isclose(e["blocking_seconds"], sum(e["blocking_parts"].values()), abs_tol=0.01), e
         assert 0 < e["blocking_seconds"] <= e["seconds"] and e["worker_cpu_seconds"] > 0, e
         assert e["worker_write_seconds"] > 0, e
@@ -275,7 +275,8 @@ def test_the_local_tiers_files_are_sealed_replicated_and_written_by_the_worker_n
     assert [e["iteration"] for e in local] == [2] and local[0]["asynchronous"], local
     for phase in ("serialize", "checksum", "replicate", "write"):
         assert local[0][f"worker_{phase}_seconds"] >= 0, local[0]
-    assert set(local[0]["blocking_parts"]) == {"prepare", "stage", "copy_wait", "wait", "finalize"}, local[0]
+    trainer_parts = {"prepare", "plan", "copy", "copy_wait", "wait", "finalize"}  # staging, nothing else
+    assert set(local[0]["blocking_parts"]) == trainer_parts, local[0]
 
 
 def test_a_save_due_while_the_previous_is_still_being_written_is_skipped_and_said_once(held_and_skipped):

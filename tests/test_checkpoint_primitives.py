@@ -401,10 +401,11 @@ def test_fsync_file_and_dir(tmp_path: Path) -> None:
 
 
 def test_async_staging_copies_into_one_shared_arena_reused_from_save_to_save_and_crosses_by_reference():
-    """What an async save writes from: each tensor copied once into its slot of one shared-memory arena
-    (a slot's storage is exactly its slice, so torch.save writes only it), unaffected by training's later
-    updates; the same slots at the next save of the same structure, re-planned (in the same arena where it
-    fits) when the structure changes; and pickled for the worker as references into the arena."""
+    """What an async save writes from: each tensor copied once into its slot of one shared-memory arena (by
+    a thread beside training; a slot's storage is exactly its slice, so torch.save writes only it),
+    unaffected by training's later updates; the same slots at the next save of the same structure,
+    re-planned (in the same arena where it fits) when the structure changes; and pickled for the worker as
+    references into the arena."""
     import io
     import pickle
 
@@ -415,6 +416,7 @@ def test_async_staging_copies_into_one_shared_arena_reused_from_save_to_save_and
     live = [torch.arange(12, dtype=torch.float32).reshape(3, 4), torch.ones(5, dtype=torch.bfloat16)]
     host = HostStaging()
     w, b = host.stage(live)
+    host.wait_copied()  # the copies run beside training until then
     arena, arena_id = host.arena, host.arena_id
     assert arena.is_shared() and w.data_ptr() != live[0].data_ptr()
     assert torch.equal(w, live[0]) and torch.equal(b, live[1])
@@ -429,6 +431,7 @@ def test_async_staging_copies_into_one_shared_arena_reused_from_save_to_save_and
     live[0].mul_(-1)  # training goes on
     assert w[1, 1].item() == 5.0
     again = host.stage(live)
+    host.wait_copied()
     assert again[0].data_ptr() == w.data_ptr() and torch.equal(again[0], live[0])  # reused, new values
 
     payload = host.pickle({"tensors": again, "step": 7})
@@ -440,6 +443,7 @@ def test_async_staging_copies_into_one_shared_arena_reused_from_save_to_save_and
         unpickle(payload, {})
 
     smaller = host.stage([torch.zeros(2, 2), live[1]])  # another structure that fits: same arena
+    host.wait_copied()
     assert host.arena_id == arena_id and smaller[0].shape == (2, 2) and torch.equal(smaller[1], live[1])
     bigger = host.stage([torch.zeros(1000)])  # one that does not: a new arena, which the worker must map
     assert host.arena_id == arena_id + 1 and host.arena.nbytes() >= 4000

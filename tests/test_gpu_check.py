@@ -58,7 +58,7 @@ def test_the_dry_run_passes_every_step_a_cpu_can_run_and_marks_the_cuda_ones_ski
     assert all(f["losses_as_train"] and f["saves"] >= 3 for f in saves.values()), saves
     for name in ("save_async_persistent", "save_async_local"):
         parts = set(saves[name]["blocking_parts_s_median"])
-        assert parts == {"prepare", "stage", "copy_wait", "wait", "finalize"}, saves[name]
+        assert parts == {"prepare", "plan", "copy", "copy_wait", "wait", "finalize"}, saves[name]
         assert saves[name]["worker_s_median"]["write_seconds"] > 0, saves[name]
     stall = steps["async_stall_ratio"]["figures"]
     for tier in ("persistent", "local"):

@@ -200,9 +200,10 @@ class _Pending:
     started: float  # when the save began (before its state was built)
     on_published: object
     payload: bytes | None  # the pickled job, until it is handed to the worker
-    # Seconds the trainer spent on this save, by part: prepare (building the sharded state), stage (the
-    # copy into the host buffers and the tier's planning), copy_wait (for a device-to-host copy still
-    # running at the hand-over), wait (for the worker, when something waited for it) and finalize.
+    # Seconds the trainer spent on this save, by part: prepare (building the sharded state), plan (the
+    # tier's collective planning, the hand-over), copy (into the host buffers, or enqueueing that copy on a
+    # GPU), copy_wait (for a device-to-host copy still running at the hand-over), wait (for the worker,
+    # when something waited for it) and finalize.
     blocking: dict = field(default_factory=dict)
     handed_over: float | None = None  # when the worker was given it (its time limit runs from here)
 
@@ -239,6 +240,7 @@ class AsyncSaves:
             self._job_id = parallel.broadcast_object(os.urandom(6).hex())
         # Changes whenever any rank's worker is a new one: the workers' own process group is made anew.
         workers = f"{self._job_id}/" + "-".join(str(starts) for _, starts in restarts)
+        self.staging.copy_seconds = 0.0
         try:
             job = tier.save_async(sharded_state, iteration, self.staging, workers)
         except CheckpointSaveError as err:  # agreed on every rank: dropped like a failed write
@@ -246,8 +248,9 @@ class AsyncSaves:
             return
         payload = self.staging.pickle((job.work, job.work_args))
         self._tag += 1
-        self.pending = _Pending(tier, job, self._tag, began - prepared_s, on_published, payload,
-                                {"prepare": prepared_s, "stage": time.monotonic() - began})
+        copy = self.staging.copy_seconds
+        blocking = {"prepare": prepared_s, "plan": time.monotonic() - began - copy, "copy": copy}
+        self.pending = _Pending(tier, job, self._tag, began - prepared_s, on_published, payload, blocking)
         self._verdict = None
         if not self.staging.copying():
             self._hand_over()

@@ -49,6 +49,7 @@ from megatron_resil.checkpointing.manifest import (
     write_manifest,
 )
 from megatron_resil.checkpointing.staging import HostStaging
+from megatron_resil.checkpointing.staging import structure_of as staging_structure
 from megatron_resil.checkpointing.tier import AsyncSaveJob, CheckpointTier, NotForThisRun, TierCandidate
 from megatron_resil.checkpointing.tracker import read_tracker, write_tracker
 
@@ -105,6 +106,7 @@ class GlobalTier(CheckpointTier):
         # reuses its save plan and data-parallel spread, and sharding is validated on the first save only.
         self.assume_constant_structure = assume_constant_structure
         self._kept_strategy = None
+        self._async_plan: tuple | None = None  # (the state's structure, the strategy that planned it)
 
     # ---- load side -------------------------------------------------------------------------
     def candidates(self) -> list[TierCandidate]:
@@ -329,7 +331,7 @@ class GlobalTier(CheckpointTier):
         request, failure, strategy = None, None, None
         try:  # planning and staging are collective; rank 0 also writes common.pt here
             with dcp_writer.rank0_writes_fail_late(), dcp_writer.results_in_this_process():
-                strategy, validate = self._torch_dist_strategy()
+                strategy, validate = self._async_strategy(sharded_state)
                 with shard_writer.staged_in(strategy, host):
                     request = dist_checkpointing.save(
                         sharded_state, staging, sharded_strategy=strategy, async_sharded_save=True,
@@ -394,6 +396,17 @@ class GlobalTier(CheckpointTier):
             self._kept_strategy = self._strategy(cache_structure=True)
             return self._kept_strategy, True
         return self._kept_strategy, False
+
+    def _async_strategy(self, sharded_state: dict):
+        """(strategy, validate sharding?) for an async save: megatron-core's plan and spread over
+        data-parallel ranks of the previous async save are kept while the state's structure is the same on
+        every rank (one small all-reduce says so), as --ckpt-assume-constant-structure keeps them for every
+        save; a new structure is planned and validated afresh. Collective."""
+        structure = staging_structure(sharded_state)
+        if parallel.all_ranks_agree(self._async_plan is not None and self._async_plan[0] == structure):
+            return self._async_plan[1], False
+        self._async_plan = (structure, self._strategy(cache_structure=True))
+        return self._async_plan[1], True
 
     @classmethod
     def _strategy(cls, cache_structure: bool = False):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager impor
 from megatron_resil import events, parallel
 from megatron_resil.checkpointing import untrusted
 from megatron_resil.checkpointing.atomic import atomic_write_text, replace_file_text
+from megatron_resil.checkpointing.dcp_writer import without_torch_record_crc
 from megatron_resil.checkpointing.global_tier import CheckpointSaveError
 from megatron_resil.checkpointing.replication import (
     WorkerReplication,
@@ -45,7 +47,8 @@ from megatron_resil.checkpointing.replication import (
     comm_device,
 )
 from megatron_resil.checkpointing.sealed_shard import SealedShard, crc32_of, read_payload, serialize
-from megatron_resil.checkpointing.staging import HostStaging
+from megatron_resil.checkpointing.shard_writer import ChecksummingStream
+from megatron_resil.checkpointing.staging import HostStaging, structure_of
 from megatron_resil.checkpointing.tier import (
     AsyncSaveJob,
     CheckpointDataError,
@@ -118,22 +121,40 @@ def seal_and_write(state: MCoreTensorAwareStateDict, iteration: int, owner: int,
     state, checksum the bytes (the seal), send them to the clique's other workers and receive theirs
     (--replication), and write every copy this rank holds under `paths` ({owner: (final, dirty)}).
     Returns the seconds of each phase."""
+    os.makedirs(directory, exist_ok=True)
+    if replication is None:
+        began = time.monotonic()
+        write_streamed(*map(Path, paths[owner]), state, {"iteration": iteration, "owner": owner,
+                                                         "layout": layout})
+        return None, {"write": time.monotonic() - began}
     phases, began = {}, time.monotonic()
     payload = serialize(state)
     phases["serialize"], began = time.monotonic() - began, time.monotonic()
     shard = SealedShard.of_bytes(payload, iteration=iteration, owner=owner)
     shard.meta["layout"] = layout
     phases["checksum"], began = time.monotonic() - began, time.monotonic()
-    copies = [shard]
-    if replication is not None:
-        copies, _ = replication.strategy().replicate(shard, (iteration, owner, SESSION))
-        phases["replicate"], began = time.monotonic() - began, time.monotonic()
-    os.makedirs(directory, exist_ok=True)
+    copies, _ = replication.strategy().replicate(shard, (iteration, owner, SESSION))
+    phases["replicate"], began = time.monotonic() - began, time.monotonic()
     for copy in copies:
         final, dirty = paths[copy.meta["owner"]]
         write_copy(Path(final), Path(dirty), copy.meta, copy.payload)
     phases["write"] = time.monotonic() - began
     return None, phases
+
+
+def write_streamed(final: Path, dirty: Path, state: MCoreTensorAwareStateDict, meta: dict) -> None:
+    """The one copy of a shard nothing else needs in memory (no replica to send): serialised straight into
+    its `dirty` file, its size and CRC32 (the seal) taken as the bytes go out, in one pass over the data;
+    then its manifest and the rename, as write_copy does them."""
+    dirty.unlink(missing_ok=True)
+    with open(dirty, "wb") as f:
+        stream = ChecksummingStream(f)
+        with without_torch_record_crc():
+            torch.save(state, stream)
+        f.flush()
+    sealed = {**meta, "size": stream.size, "crc32": stream.checksum, "format": "sealed-v1"}
+    atomic_write_text(str(final) + MANIFEST_SUFFIX, json.dumps(sealed))
+    dirty.rename(final)
 
 
 def _iteration_of(name: str) -> int:
@@ -162,6 +183,8 @@ class LocalTier(CheckpointTier):
         self.manager = _VerifiableLocalManager(root, strategy)
         self.on_staged = None
         self._fetched: tuple[int, MCoreTensorAwareStateDict] | None = None
+        self._cleaner: threading.Thread | None = None  # removing an async save's older iteration
+        self._async_spread: tuple | None = None  # (the state's structure, its data-parallel spread)
 
     @property
     def my_dir(self) -> Path:
@@ -179,6 +202,7 @@ class LocalTier(CheckpointTier):
         return found
 
     def candidates(self) -> list[TierCandidate]:
+        self._cleaned()
         mine = sorted({_iteration_of(p.name) for p in self._my_files().values()})
         everywhere = sorted({it for part in parallel.all_gather_object(mine) for it in part}, reverse=True)
         return [TierCandidate(self.name, it, self._describe(it), "node-local shards") for it in everywhere]
@@ -328,6 +352,7 @@ class LocalTier(CheckpointTier):
         return shard
 
     def save(self, sharded_state: dict, iteration: int) -> str:
+        self._cleaned()
         shard = self._seal(sharded_state, iteration)
         self.manager.on_written = self.on_staged
         try:
@@ -352,8 +377,15 @@ class LocalTier(CheckpointTier):
         seals, replicates and writes (seal_and_write); publishing checks every shard is on disk somewhere
         and only then lets NVRx drop the older iteration. `workers`: the workers' generation (AsyncSaves),
         the name of their replication group."""
-        state, _ = MCoreTensorAwareStateDict.from_state_dict(
-            sharded_state, algo=self.algo, parallelization_group=_dp_group())
+        # The spread over data-parallel ranks of the last async save holds while the structure is the same
+        # on every rank (one small all-reduce says so); megatron-core then skips its exchange and validation.
+        structure = structure_of(sharded_state)
+        kept = self._async_spread
+        same = parallel.all_ranks_agree(kept is not None and kept[0] == structure)
+        state, spread = MCoreTensorAwareStateDict.from_state_dict(
+            sharded_state, algo=self.algo, parallelization_group=_dp_group(),
+            cached_metadata=kept[1] if same else None)
+        self._async_spread = (structure, spread)
         mine = [sh for sh in nested_values(state.sharded_state_dict)
                 if isinstance(sh, ShardedTensor) and sh.data is not None]
         for sh, staged in zip(mine, host.stage([sh.data.detach() for sh in mine]), strict=True):
@@ -380,6 +412,7 @@ class LocalTier(CheckpointTier):
                             lambda: self.manager._cleanup_failed_save(iteration))
 
     def _publish_async(self, iteration: int) -> str:
+        self._cleaned()
         if self.on_staged is not None:
             self.on_staged(iteration)
         # NVRx's own completeness check (every rank's shard present), as its synchronous save does.
@@ -390,8 +423,17 @@ class LocalTier(CheckpointTier):
             self.manager._cleanup_failed_save(iteration)
             raise CheckpointSaveError(f"local checkpoint of iteration {iteration} is incomplete "
                                       f"(newest complete iteration: {complete})")
-        self.manager._cleanup(iteration)
+        # Unlinking the older iteration's large files is left to a thread (as NVRx's async save does): the
+        # trainer's share of a save stays its staging. Whatever lists this rank's files waits for it first.
+        self._cleaner = threading.Thread(target=self.manager._cleanup, args=(iteration,),
+                                         name="ckpt-local-cleanup", daemon=True)
+        self._cleaner.start()
         return self._describe(iteration)
+
+    def _cleaned(self) -> None:
+        if self._cleaner is not None:
+            self._cleaner.join()
+            self._cleaner = None
 
     def startup_cleanup(self) -> None:
         removed, failures = 0, []

@@ -31,7 +31,7 @@ from megatron_resil.checkpointing.manifest import CHECKSUM, checksum_files, exte
 from megatron_resil.checkpointing.staging import HostStaging
 
 
-class _ChecksummingStream:
+class ChecksummingStream:
     """The file as torch.save and DCP see it (write, tell, flush), with a running checksum."""
 
     def __init__(self, file) -> None:
@@ -65,9 +65,9 @@ _written: dict[str, dict] = {}
 _written_lock = threading.Lock()
 
 
-def _write_records(transforms: list, bucket, file) -> tuple[list, _ChecksummingStream]:
+def _write_records(transforms: list, bucket, file) -> tuple[list, ChecksummingStream]:
     _path, storage_key, (bytes_data, tensor_data) = bucket
-    stream = _ChecksummingStream(file)
+    stream = ChecksummingStream(file)
     # torch's private record writer and megatron-core's private save hook below are dependencies the
     # patches check at start-up (patches/torch_dcp.py, patches/megatron_core.py).
     results = [dcp_filesystem._write_item(*transforms, stream, data, item, storage_key,
@@ -77,7 +77,7 @@ def _write_records(transforms: list, bucket, file) -> tuple[list, _ChecksummingS
     return results, stream
 
 
-def _fsync_and_record(file, stream: _ChecksummingStream) -> None:
+def _fsync_and_record(file, stream: ChecksummingStream) -> None:
     with file:
         os.fsync(file.fileno())
         on_disk = os.fstat(file.fileno()).st_size

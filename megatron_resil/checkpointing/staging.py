@@ -5,9 +5,11 @@ The arena is allocated at the first async save, sized from that save's plan (the
 tensors this rank writes), and cut into one slot per tensor; later saves of the same structure copy into the
 same slots. A new structure is re-planned: the slots are cut again, and the arena is replaced only when the
 new plan no longer fits. With CUDA the arena is pinned (page-locked) once, and the device-to-host copy is
-enqueued on a side stream that waits for the training stream by an event: the trainer returns as soon as the
-copies are enqueued, and waits for them (`wait_copied`) only before something changes what they read (the
-next optimizer step, a load). Without CUDA each tensor is copied once, into its slot, when staged.
+enqueued on a side stream that waits for the training stream by an event. Host tensors (all of them without
+CUDA) are copied once each, into their slots, by a thread beside the training thread (torch's copy releases
+the GIL), as the side stream copies beside the next forward and backward pass. Either way the trainer goes
+on as soon as the copies are under way, and waits for them (`wait_copied`) only before something changes
+what they read (the next optimizer step, a load).
 
 Each slot is a tensor whose storage is exactly its slice of the arena, so megatron-core and torch.save see
 ordinary tensors (a view of a larger storage would be cloned, or saved whole). The worker maps the arena
@@ -20,10 +22,14 @@ from __future__ import annotations
 import io
 import math
 import pickle
+import threading
+import time
 import weakref
 from typing import Any
 
 import torch
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
 from megatron_resil import events
 
@@ -58,27 +64,41 @@ class HostStaging:
         self._slots: list[torch.Tensor] = []
         self._stream = None  # the side stream of device-to-host copies, created at the first one
         self._copied = None  # the event marking the end of the last staging's copies, until waited on
+        self._copier: threading.Thread | None = None  # the host copies' thread, until waited on
+        self._copy_error: BaseException | None = None
         self._said_unpinned = False
+        self.copy_seconds = 0.0  # the trainer's time in the last `stage`: allocating, copying, enqueueing
 
     @property
     def nbytes(self) -> int:
         return 0 if self.arena is None else self.arena.nbytes()
 
     def stage(self, live: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Host copies of `live` in the reused slots, in order: copied now from host memory; from a GPU,
-        enqueued on the side stream (done once `wait_copied` returns)."""
+        """Host copies of `live` in the reused slots, in order, under way when this returns: complete once
+        `wait_copied` returns. Nothing may write to `live` before then."""
+        began = time.monotonic()
+        self.wait_copied()  # the previous save's, if nothing waited for it yet
         layout = tuple((tuple(t.shape), t.dtype) for t in live)
         if layout != self._layout:
             self._plan(layout)
-        on_device = []
-        for slot, tensor in zip(self._slots, live, strict=True):
-            if tensor.device.type == "cuda":
-                on_device.append((slot, tensor))
-            else:
-                slot.copy_(tensor)
+        pairs = list(zip(self._slots, live, strict=True))
+        on_device = [(slot, tensor) for slot, tensor in pairs if tensor.device.type == "cuda"]
+        on_host = [(slot, tensor) for slot, tensor in pairs if tensor.device.type != "cuda"]
         if on_device:
             self._copy_from_device(on_device)
+        if on_host:
+            self._copier = threading.Thread(target=self._copy_on_host, args=(on_host,),
+                                            name="ckpt-staging-copy", daemon=True)
+            self._copier.start()
+        self.copy_seconds = time.monotonic() - began
         return list(self._slots)
+
+    def _copy_on_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        try:
+            for slot, tensor in pairs:
+                slot.copy_(tensor)
+        except BaseException as err:  # noqa: BLE001 - raised to the trainer by wait_copied
+            self._copy_error = err
 
     def _copy_from_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         if self._stream is None:
@@ -94,19 +114,25 @@ class HostStaging:
         self._copied.record(self._stream)
 
     def copying(self) -> bool:
-        """True while device-to-host copies of the last staging may still be running."""
-        if self._copied is None:
-            return False
-        if self._copied.query():
-            self._copied = None
-            return False
-        return True
+        """True while copies of the last staging may still be running."""
+        if self._copier is not None and self._copier.is_alive():
+            return True
+        if self._copied is not None and not self._copied.query():
+            return True
+        self.wait_copied()  # all done: collects an error of the host copies
+        return False
 
     def wait_copied(self) -> None:
-        """Block until the last staging's copies are complete (at once without CUDA)."""
+        """Block until the last staging's copies are complete."""
+        if self._copier is not None:
+            self._copier.join()
+            self._copier = None
         if self._copied is not None:
             self._copied.synchronize()
             self._copied = None
+        if self._copy_error is not None:
+            error, self._copy_error = self._copy_error, None
+            raise RuntimeError(f"the staging copy of an async save failed: {error}") from error
 
     def _plan(self, layout: tuple) -> None:
         offsets, total = [], 0
@@ -180,3 +206,22 @@ class ArenaUnpickler(pickle.Unpickler):
 
 def unpickle(payload: bytes, arenas: dict[int, torch.UntypedStorage]) -> Any:
     return ArenaUnpickler(io.BytesIO(payload), arenas).load()
+
+
+def structure_of(sharded_state: dict) -> tuple:
+    """What a save's plan depends on: each sharded item's key, type, shape and place, not its data nor any
+    plain value (the iteration). Where it is the same on every rank as at the last save, that save's plan
+    (megatron-core's, and the spread over data-parallel ranks) holds again: the tiers reuse it."""
+    def described(item):
+        if isinstance(item, ShardedTensor):
+            flat = item.flattened_range
+            return ("tensor", item.key, str(item.dtype), item.local_shape, item.global_shape,
+                    item.global_offset, item.axis_fragmentations, item.replica_id, item.prepend_axis_num,
+                    None if flat is None else (flat.start, flat.stop))
+        if isinstance(item, ShardedTensorFactory):
+            return ("factory", item.key, tuple(item.data.shape), str(item.data.dtype), item.replica_id)
+        if isinstance(item, ShardedObject):
+            return ("object", item.key, item.global_shape, item.global_offset, item.replica_id)
+        return None
+
+    return tuple(found for item in nested_values(sharded_state) if (found := described(item)) is not None)
