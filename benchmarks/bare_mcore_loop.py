@@ -18,9 +18,8 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+import harness
 
 
 def main() -> int:
@@ -35,44 +34,20 @@ def main() -> int:
     if opts.steps < opts.block or opts.block < 1:
         parser.error("--steps must be at least --block, and --block at least 1")
 
-    sys.path.insert(0, str(REPO))
     from megatron_resil.arguments import parse_args
 
     args = parse_args(argv[split + 1:])
-    from megatron_resil import patches
-
-    patches.install(args)  # what pretrain.py installs at start-up
+    harness.start_worker(args)  # what pretrain.py installs at start-up
     import torch
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_resil import parallel
-    from megatron_resil.tokenizer import build_tokenizer
-    from megatron_resil.training import build_engine
 
-    parallel.initialize(args)
-    vocab = build_tokenizer(args).vocab_size
-    model, optimizer, scheduler = build_engine(args, vocab)
+    engine = harness.build(args, validation=False, data=False)
     device = parallel.device()
-    tokens = torch.randint(0, vocab, (args.micro_batch_size, args.seq_length), device=device)
+    tokens = torch.randint(0, engine.vocab_size, (args.micro_batch_size, args.seq_length), device=device)
     position_ids = torch.arange(args.seq_length, device=device).unsqueeze(0).expand_as(tokens)
     labels = torch.roll(tokens, -1, dims=1)
-    schedule = get_forward_backward_func()
-
-    def forward_step(data, chunk):
-        next(data)
-        output = chunk(tokens, position_ids, None, labels=labels)
-        return output, lambda out: (out.float().mean(), {"lm loss": out.detach().float().mean()})
-
-    def step() -> None:
-        for chunk in model:
-            chunk.zero_grad_buffer()
-        optimizer.zero_grad()
-        schedule(forward_step_func=forward_step, data_iterator=iter(range(args.num_microbatches)),
-                 model=model, num_microbatches=args.num_microbatches, seq_length=args.seq_length,
-                 micro_batch_size=args.micro_batch_size, forward_only=False)
-        updated, _, _ = optimizer.step()
-        if updated:
-            scheduler.step(increment=args.global_batch_size)
+    step = harness.bare_step(engine, tokens, position_ids, labels)
 
     def synchronize() -> None:
         if device.type == "cuda":
@@ -88,7 +63,7 @@ def main() -> int:
             step()
         synchronize()
         block_ms.append(1000.0 * (time.perf_counter() - began) / opts.block)
-    parameters = sum(p.numel() for chunk in model for p in chunk.parameters())
+    parameters = engine.parameters
     median = statistics.median(block_ms)
     if parallel.is_rank0():
         print(f"bare megatron-core loop: {parameters / 1e6:.1f}M parameters, {median:.2f} ms per step "

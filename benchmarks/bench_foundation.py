@@ -31,12 +31,12 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import harness
+
 SCRIPT = os.path.abspath(__file__)
 
 # Model shapes. "save_small": a few hundred MB of model + Adam state; "save_large": >= 1 GiB.
@@ -73,22 +73,12 @@ WHAT_IF = {
 GOALS = {"save_overhead": ("<=", 1.05), "save_throughput": (">=", 0.9), "step_time": ("<=", 1.02)}
 
 
-# ---------------------------------------------------------------------------------------------
-# shared helpers (no heavy imports at module level: dist_checkpointing's multiprocessing Manager
-# re-imports this file in a spawned process)
-# ---------------------------------------------------------------------------------------------
 def pretrain_argv(shape: dict, mbs: int = 1) -> list[str]:
-    return ["--num-layers", str(shape["layers"]), "--hidden-size", str(shape["hidden"]),
-            "--num-attention-heads", str(shape["heads"]), "--seq-length", str(shape["seq"]),
-            "--max-position-embeddings", str(shape["seq"]), "--tokenizer-type", "NullTokenizer",
-            "--vocab-size", str(shape["vocab"]), "--micro-batch-size", str(mbs),
+    return [*harness.gpt_argv(shape["layers"], shape["hidden"], shape["heads"], shape["seq"], shape["vocab"],
+                              mbs),
             "--train-iters", "1000", "--lr", "1e-4", "--min-lr", "1e-5", "--lr-decay-style", "cosine",
             "--lr-warmup-iters", "10", "--weight-decay", "0.01", "--clip-grad", "1.0", "--seed", "1234",
-            "--mock-data", "--eval-iters", "0", "--log-interval", "1000"]
-
-
-def summarize(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+            "--log-interval", "1000"]
 
 
 _T0 = float(os.environ.get("BENCH_T0", time.time()))
@@ -96,14 +86,6 @@ _T0 = float(os.environ.get("BENCH_T0", time.time()))
 
 def log(msg: str) -> None:
     print(f"[bench {time.time() - _T0:6.1f}s] {msg}", flush=True)
-
-
-def child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update({"PYTHONWARNINGS": "ignore", "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1",
-                "PYTHONUNBUFFERED": "1"})
-    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,181 +240,79 @@ def writer_rank(rel: str, world: int) -> int:
     return 0
 
 
-def save_worker(opts: argparse.Namespace) -> None:
-    sys.path.insert(0, REPO)
-    import threading
+class SaveBenchmarks:
+    """Benchmarks 1 and 2, on every rank: for each model shape, GlobalTier.save against megatron-core's
+    plain dist_checkpointing.save of the same sharded state (and, for 2, raw writes of the same bytes),
+    interleaved and repeated; the tier's saves also timed step by step (SaveStepTimer)."""
 
-    import torch.distributed as dist
-    from megatron.core import dist_checkpointing, parallel_state
-    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
-    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+    def __init__(self, opts: argparse.Namespace) -> None:
+        import torch.distributed as dist
+        from megatron.core import dist_checkpointing
 
-    from megatron_resil import parallel, patches
-    from megatron_resil.arguments import parse_args
-    from megatron_resil.checkpointing.global_tier import GlobalTier
-    from megatron_resil.checkpointing.state import build_sharded_state
-    from megatron_resil.data import build_datasets
-    from megatron_resil.progress import TrainProgress
-    from megatron_resil.tokenizer import build_tokenizer
-    from megatron_resil.training import build_engine, train_step
+        from megatron_resil import parallel
 
-    cfg = QUICK if opts.quick else FULL
-    patches.install()  # what pretrain.py installs at start-up
-    world = int(os.environ["WORLD_SIZE"])
-    first_args = parse_args(pretrain_argv(cfg["save_small"]), world_size=world)
-    parallel.initialize(first_args)
-    rank0 = parallel.is_rank0()
-    timer = SaveStepTimer()
-    timer.install()
-    plain_save = dist_checkpointing.save
-    buf = os.urandom(16 << 20)
+        self.opts, self.dist = opts, dist
+        self.world = int(os.environ["WORLD_SIZE"])
+        self.rank0 = parallel.is_rank0()
+        self.timer = SaveStepTimer()
+        self.timer.install()
+        self.plain_save = dist_checkpointing.save  # before the timer's proxy, as megatron-core has it
+        self.buf = os.urandom(16 << 20)
 
-    def sync_disk() -> None:
-        # Flush every earlier write (and deletions) so no one is charged for another's dirty pages.
-        dist.barrier()
-        if rank0:
+    def sync_disk(self) -> None:
+        """Flush every earlier write (and deletions) so no one is charged for another's dirty pages."""
+        self.dist.barrier()
+        if self.rank0:
             os.sync()
-        dist.barrier()
+        self.dist.barrier()
 
-    def remove(path: str) -> None:
-        if rank0:
+    def remove(self, path: str) -> None:
+        if self.rank0:
             shutil.rmtree(path, ignore_errors=True)
-        dist.barrier()
+        self.dist.barrier()
 
-    def timed(fn) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        dist.barrier()
-        return time.perf_counter() - t0
+    def state_of(self, shape: dict):
+        """A way to build the sharded state (model + Adam state after one train_step, progress, RNG) of a
+        model of this shape, and its parameter count."""
+        from megatron_resil.checkpointing.state import build_sharded_state
+        from megatron_resil.progress import TrainProgress
 
-    def build_state(shape: dict):
-        args = parse_args(pretrain_argv(shape), world_size=world)
-        tokenizer = build_tokenizer(args)
-        model, optimizer, scheduler = build_engine(args, tokenizer.vocab_size)
-        train_ds, _ = build_datasets(args, tokenizer)
-        train_step(args, model, optimizer, scheduler, train_ds, TrainProgress())  # realistic Adam state
+        engine = harness.build(pretrain_argv(shape), self.world, validation=False, first_step=True)
         progress = TrainProgress(iteration=100, consumed_train_samples=800)
 
         def fresh_state() -> dict:
-            return build_sharded_state(model, optimizer, scheduler, progress, args,
-                                       with_optimizer=True, with_rng=True)
-        n_params = sum(p.numel() for chunk in model for p in chunk.parameters())
-        return fresh_state, n_params
+            return build_sharded_state(engine.model, engine.optimizer, engine.scheduler, progress,
+                                       engine.args, with_optimizer=True, with_rng=True)
+        return fresh_state, engine.parameters
 
-    def plain_strategy():
-        # The same strategy GlobalTier uses: torch_dist, spread over data-parallel ranks.
+    def plain_strategy(self):
+        """The same strategy GlobalTier uses: torch_dist, spread over data-parallel ranks."""
+        from megatron.core import parallel_state
+        from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+            FullyParallelSaveStrategyWrapper,
+        )
+
         strategy = get_default_save_sharded_strategy("torch_dist")
-        if world > 1:
+        if self.world > 1:
             strategy = FullyParallelSaveStrategyWrapper(
                 strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
         return strategy
 
-    def run_config(name: str, shape: dict, repeats: int, with_raw: bool) -> dict:
-        fresh_state, n_params = build_state(shape)
-        base = os.path.join(opts.dir, name)
-        tier = GlobalTier(os.path.join(base, "atomic"))
-        # The same tier with Megatron's --ckpt-assume-constant-structure (the what-if below): its first
-        # save, the warm-up, plans; later ones reuse the plan and skip the sharding validation.
-        constant_tier = GlobalTier(os.path.join(base, "atomic"), assume_constant_structure=True)
-        plain_root = os.path.join(base, "plain")
-        raw_root = os.path.join(base, "raw")
-        if rank0:
-            os.makedirs(plain_root)
-            os.makedirs(raw_root)
-        counter = {"iteration": 0, "plain": 0, "raw": 0}
-        layout: dict[str, int] = {}
-
-        def atomic_once(record: bool, variant: str | None = None) -> tuple[float, int]:
-            counter["iteration"] += 1
-            state = fresh_state()
-            sync_disk()
-            timer.start()
-            saver = constant_tier if variant == "atomic_constant_structure" else tier
-            with what_if(variant):
-                seconds = timed(lambda: saver.save(state, counter["iteration"]))
-            timer.finish(seconds if record else None)
-            final = os.path.join(tier.root, f"iter_{counter['iteration']:07d}")
-            files = dir_files(final) if rank0 else {}
-            if not layout:
-                layout.update(parallel.broadcast_object(files))
-            remove(final)
-            return seconds, sum(files.values())
-
-        def plain_once() -> float:
-            counter["plain"] += 1
-            path = os.path.join(plain_root, f"save_{counter['plain']}")
-            state = fresh_state()
-            sync_disk()
-
-            def op() -> None:
-                if rank0:
-                    os.makedirs(path)
-                dist.barrier()
-                plain_save(state, path, sharded_strategy=plain_strategy())
-            seconds = timed(op)
-            remove(path)
-            return seconds
-
-        sources: dict[str, bytearray] = {}
-
-        def source_for(rel: str, size: int) -> memoryview:
-            # The file's bytes as distinct memory, as a checkpoint's tensors are: writing them reads
-            # `size` bytes of RAM, not one 16 MiB buffer that stays in the CPU's cache.
-            if rel not in sources:
-                data = bytearray(size)
-                for offset in range(0, size, len(buf)):
-                    n = min(len(buf), size - offset)
-                    data[offset:offset + n] = buf[:n]
-                sources[rel] = data
-            return memoryview(sources[rel])
-
-        def raw_once(hot: bool = False) -> float:
-            counter["raw"] += 1
-            path = os.path.join(raw_root, f"raw_{counter['raw']}")
-            mine = [(rel, size) for rel, size in layout.items()
-                    if writer_rank(rel, world) == dist.get_rank()]
-            sync_disk()
-
-            def write_file(rel: str, size: int) -> None:
-                full = os.path.join(path, rel)
-                view = memoryview(buf) if hot else source_for(rel, size)
-                with open(full, "wb") as f:
-                    offset = 0
-                    while offset < size:
-                        n = min(size - offset, len(buf))
-                        f.write(view[:n] if hot else view[offset:offset + n])
-                        offset += n
-                    f.flush()
-                    os.fsync(f.fileno())
-
-            def op() -> None:
-                if rank0:
-                    os.makedirs(path)
-                    for rel in {os.path.dirname(r) for r, _ in layout.items() if os.path.dirname(r)}:
-                        os.makedirs(os.path.join(path, rel), exist_ok=True)
-                dist.barrier()
-                # One writer per file, as the checkpoint writers run one thread (or process) per file.
-                threads = [threading.Thread(target=write_file, args=item) for item in mine]
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
-            seconds = timed(op)
-            remove(path)
-            return seconds
-
-        if rank0:
+    def run(self, name: str, shape: dict, repeats: int, with_raw: bool) -> dict:
+        fresh_state, n_params = self.state_of(shape)
+        config = _ConfigSaves(self, name, fresh_state)
+        if self.rank0:
             log(f"{name}: {n_params / 1e6:.1f}M params; warm-up saves (excluded) ...")
-        atomic_once(record=False)  # also spawns megatron-core's multiprocessing Manager
-        if opts.what_if:
-            atomic_once(record=False, variant="atomic_constant_structure")  # its planning save
-        plain_once()
+        config.atomic_once(record=False)  # also spawns megatron-core's multiprocessing Manager
+        if self.opts.what_if:
+            config.atomic_once(record=False, variant="atomic_constant_structure")  # its planning save
+        config.plain_once()
         if with_raw:
-            raw_once()
-            raw_once(hot=True)
+            config.raw_once()
+            config.raw_once(hot=True)
         ops = ["atomic", "raw", "raw_hot", "plain"] if with_raw else ["atomic", "plain"]
-        if opts.what_if:
+        if self.opts.what_if:
             ops += list(WHAT_IF)
         times: dict[str, list[float]] = {op: [] for op in ops}
         sizes = []
@@ -440,67 +320,193 @@ def save_worker(opts: argparse.Namespace) -> None:
             # Interleaved, and the order reversed every other repeat (A B, B A, ...) against drift.
             for op in ops if rep % 2 == 0 else ops[::-1]:
                 if op == "atomic":
-                    seconds, size = atomic_once(record=True)
+                    seconds, size = config.atomic_once(record=True)
                     sizes.append(size)
                 elif op == "raw":
-                    seconds = raw_once()
+                    seconds = config.raw_once()
                 elif op == "raw_hot":
-                    seconds = raw_once(hot=True)
+                    seconds = config.raw_once(hot=True)
                 elif op == "plain":
-                    seconds = plain_once()
+                    seconds = config.plain_once()
                 else:
-                    seconds, _ = atomic_once(record=False, variant=op)
+                    seconds, _ = config.atomic_once(record=False, variant=op)
                 times[op].append(seconds)
-            if rank0:
+            if self.rank0:
                 done = ", ".join(f"{op} {v[-1]:.3f}s" for op, v in times.items())
                 log(f"{name} rep {rep + 1}/{repeats}: {done}")
-        remove(base)
-        breakdown = timer.summary()
-        timer.history.clear()
-        return {"params": n_params, "bytes": statistics.median(sizes), "files": len(layout),
-                "layout": layout, "raw": [], **times, "breakdown": breakdown}
+        self.remove(config.base)
+        breakdown = self.timer.summary()
+        self.timer.history.clear()
+        return {"params": n_params, "bytes": statistics.median(sizes), "files": len(config.layout),
+                "layout": config.layout, "raw": [], **times, "breakdown": breakdown}
 
-    @contextlib.contextmanager
-    def what_if(variant: str | None):
-        """Experiments for BENCHMARKS.md (--what-if): the tier's save another way, same state."""
-        if variant is None:
-            yield
-            return
-        from megatron_resil.checkpointing import shard_writer
-        if variant not in WHAT_IF:
-            raise ValueError(variant)
-        strategy, extend = GlobalTier.__dict__["_strategy"], shard_writer.extend_checksum
-        try:
-            if variant == "atomic_mcore_writer":
-                # megatron-core's default torch_dist strategy; its shards are then not in the writer's
-                # registry, so own_shard_checksums reads them back, as the tier did before.
-                def megatron_core_writer(cls, cache_structure=False):
-                    return cls._parallel(get_default_save_sharded_strategy("torch_dist"))
-                GlobalTier._strategy = classmethod(megatron_core_writer)
-            elif variant == "atomic_no_checksum":
-                shard_writer.extend_checksum = lambda crc, chunk, algorithm=None: 0
-            yield
-        finally:
-            GlobalTier._strategy = strategy
-            shard_writer.extend_checksum = extend
 
+class _ConfigSaves:
+    """The saves of one model shape: the tier's (and its what-if variants), the plain one, the raw writes."""
+
+    def __init__(self, bench: SaveBenchmarks, name: str, fresh_state) -> None:
+        from megatron_resil.checkpointing.global_tier import GlobalTier
+
+        self.bench, self.fresh_state = bench, fresh_state
+        self.base = os.path.join(bench.opts.dir, name)
+        self.tier = GlobalTier(os.path.join(self.base, "atomic"))
+        # The same tier with Megatron's --ckpt-assume-constant-structure (the what-if below): its first
+        # save, the warm-up, plans; later ones reuse the plan and skip the sharding validation.
+        self.constant_tier = GlobalTier(os.path.join(self.base, "atomic"), assume_constant_structure=True)
+        self.plain_root = os.path.join(self.base, "plain")
+        self.raw_root = os.path.join(self.base, "raw")
+        if bench.rank0:
+            os.makedirs(self.plain_root)
+            os.makedirs(self.raw_root)
+        self.counter = {"iteration": 0, "plain": 0, "raw": 0}
+        self.layout: dict[str, int] = {}
+        self.sources: dict[str, bytearray] = {}
+
+    def atomic_once(self, record: bool, variant: str | None = None) -> tuple[float, int]:
+        from megatron_resil import parallel
+
+        bench = self.bench
+        self.counter["iteration"] += 1
+        iteration = self.counter["iteration"]
+        state = self.fresh_state()
+        bench.sync_disk()
+        bench.timer.start()
+        saver = self.constant_tier if variant == "atomic_constant_structure" else self.tier
+        with what_if(variant):
+            seconds = harness.timed(lambda: saver.save(state, iteration))
+        bench.timer.finish(seconds if record else None)
+        final = os.path.join(self.tier.root, f"iter_{iteration:07d}")
+        files = dir_files(final) if bench.rank0 else {}
+        if not self.layout:
+            self.layout.update(parallel.broadcast_object(files))
+        bench.remove(final)
+        return seconds, sum(files.values())
+
+    def plain_once(self) -> float:
+        bench = self.bench
+        self.counter["plain"] += 1
+        path = os.path.join(self.plain_root, f"save_{self.counter['plain']}")
+        state = self.fresh_state()
+        bench.sync_disk()
+
+        def op() -> None:
+            if bench.rank0:
+                os.makedirs(path)
+            bench.dist.barrier()
+            bench.plain_save(state, path, sharded_strategy=bench.plain_strategy())
+        seconds = harness.timed(op)
+        bench.remove(path)
+        return seconds
+
+    def source_for(self, rel: str, size: int) -> memoryview:
+        """The file's bytes as distinct memory, as a checkpoint's tensors are: writing them reads `size`
+        bytes of RAM, not one 16 MiB buffer that stays in the CPU's cache."""
+        buf = self.bench.buf
+        if rel not in self.sources:
+            data = bytearray(size)
+            for offset in range(0, size, len(buf)):
+                n = min(len(buf), size - offset)
+                data[offset:offset + n] = buf[:n]
+            self.sources[rel] = data
+        return memoryview(self.sources[rel])
+
+    def raw_once(self, hot: bool = False) -> float:
+        import threading
+
+        bench, buf = self.bench, self.bench.buf
+        self.counter["raw"] += 1
+        path = os.path.join(self.raw_root, f"raw_{self.counter['raw']}")
+        mine = [(rel, size) for rel, size in self.layout.items()
+                if writer_rank(rel, bench.world) == bench.dist.get_rank()]
+        bench.sync_disk()
+
+        def write_file(rel: str, size: int) -> None:
+            full = os.path.join(path, rel)
+            view = memoryview(buf) if hot else self.source_for(rel, size)
+            with open(full, "wb") as f:
+                offset = 0
+                while offset < size:
+                    n = min(size - offset, len(buf))
+                    f.write(view[:n] if hot else view[offset:offset + n])
+                    offset += n
+                f.flush()
+                os.fsync(f.fileno())
+
+        def op() -> None:
+            if bench.rank0:
+                os.makedirs(path)
+                for rel in {os.path.dirname(r) for r in self.layout if os.path.dirname(r)}:
+                    os.makedirs(os.path.join(path, rel), exist_ok=True)
+            bench.dist.barrier()
+            # One writer per file, as the checkpoint writers run one thread (or process) per file.
+            threads = [threading.Thread(target=write_file, args=item) for item in mine]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        seconds = harness.timed(op)
+        bench.remove(path)
+        return seconds
+
+
+@contextlib.contextmanager
+def what_if(variant: str | None):
+    """Experiments for BENCHMARKS.md (--what-if): the tier's save another way, same state."""
+    if variant is None:
+        yield
+        return
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+
+    from megatron_resil.checkpointing import shard_writer
+    from megatron_resil.checkpointing.global_tier import GlobalTier
+
+    if variant not in WHAT_IF:
+        raise ValueError(variant)
+    strategy, extend = GlobalTier.__dict__["_strategy"], shard_writer.extend_checksum
+    try:
+        if variant == "atomic_mcore_writer":
+            # megatron-core's default torch_dist strategy; its shards are then not in the writer's
+            # registry, so own_shard_checksums reads them back, as the tier did before.
+            def megatron_core_writer(cls, cache_structure=False):
+                return cls._parallel(get_default_save_sharded_strategy("torch_dist"))
+            GlobalTier._strategy = classmethod(megatron_core_writer)
+        elif variant == "atomic_no_checksum":
+            shard_writer.extend_checksum = lambda crc, chunk, algorithm=None: 0
+        yield
+    finally:
+        GlobalTier._strategy = strategy
+        shard_writer.extend_checksum = extend
+
+
+def save_worker(opts: argparse.Namespace) -> None:
+    """The workers: benchmarks 1 and 2 on every rank, then 3 in rank 0 alone, once the others have exited."""
+    harness.start_worker()  # what pretrain.py installs at start-up
+    import torch.distributed as dist
+
+    from megatron_resil import parallel
+    from megatron_resil.arguments import parse_args
+
+    cfg = QUICK if opts.quick else FULL
+    world = int(os.environ["WORLD_SIZE"])
+    parallel.initialize(parse_args(pretrain_argv(cfg["save_small"]), world_size=world))
+    saves = SaveBenchmarks(opts)
     results = {
         "world_size": world,
-        "save_small": run_config("save_small", cfg["save_small"], cfg["save_small_repeats"], with_raw=False),
-        "save_large": run_config("save_large", cfg["save_large"], cfg["save_large_repeats"], with_raw=True),
+        "save_small": saves.run("save_small", cfg["save_small"], cfg["save_small_repeats"], with_raw=False),
+        "save_large": saves.run("save_large", cfg["save_large"], cfg["save_large_repeats"], with_raw=True),
     }
     # Benchmark 3 runs in rank 0 alone: the other ranks leave first, so they take no CPU from it.
     pids = [None] * world
     dist.all_gather_object(pids, os.getpid())
     parallel.shutdown()
-    if not rank0:
+    if not saves.rank0:
         return
     log("save benchmarks done; waiting for the other ranks to exit ...")
     deadline = time.time() + 60
     while time.time() < deadline and any(_alive(pid) for pid in pids[1:]):
         time.sleep(0.2)
     results["step"] = step_benchmark(cfg, opts.step_threads)
-    with open(opts.result, "w") as f:
+    with open(opts.out, "w") as f:
         json.dump(results, f)
 
 
@@ -517,64 +523,36 @@ def _alive(pid: int) -> bool:
 # step-time benchmark (one process)
 # ---------------------------------------------------------------------------------------------
 def step_benchmark(cfg: dict, threads: int) -> dict:
-    """Runs in a process of its own, or in rank 0 after the other ranks have exited."""
+    """Runs in rank 0 after the other ranks have exited, as a world of one."""
     import torch
     import torch.distributed as dist
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.rerun_state_machine import get_rerun_state_machine
 
-    from megatron_resil import parallel, patches, rerun
-    from megatron_resil.arguments import parse_args
-    from megatron_resil.data import build_datasets, get_microbatch
+    from megatron_resil import parallel
+    from megatron_resil.data import get_microbatch
     from megatron_resil.progress import TrainProgress
-    from megatron_resil.tokenizer import build_tokenizer
-    from megatron_resil.training import build_engine, train_step
 
     shape = cfg["step"]
-    patches.install()  # what pretrain.py installs at start-up
     torch.set_num_threads(threads)
-    args = parse_args([*pretrain_argv(shape, mbs=shape["mbs"]), "--use-distributed-optimizer"], world_size=1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    parallel.initialize(args)
-    rerun.initialize(rerun.RerunConfig.from_args(args))
-    tokenizer = build_tokenizer(args)
-    model, optimizer, scheduler = build_engine(args, tokenizer.vocab_size)
-    train_ds, _ = build_datasets(args, tokenizer)
+    engine = harness.build([*pretrain_argv(shape, mbs=shape["mbs"]), "--use-distributed-optimizer"], 1)
+    args = engine.args
     # progress is not advanced, so train_step draws the same microbatch every step (it still pays
     # for fetching it from the dataset, as in training); the bare loop reuses that batch.
     progress = TrainProgress()
-    batch = get_microbatch(train_ds, 0, 0, args.micro_batch_size, 0, 1)
-    tokens, position_ids, labels = batch["tokens"], batch["position_ids"], batch["labels"]
-    schedule = get_forward_backward_func()
+    batch = get_microbatch(engine.train_ds, 0, 0, args.micro_batch_size, 0, 1)
 
     def ours() -> None:
-        train_step(args, model, optimizer, scheduler, train_ds, progress)
+        engine.train_step(progress)
 
-    def bare_forward(data, chunk):
-        next(data)
-        output = chunk(tokens, position_ids, None, labels=labels)
-        return output, lambda out: (out.float().mean(), {"lm loss": out.detach().float().mean()})
-
-    machine = get_rerun_state_machine()
-
-    def bare() -> None:  # Megatron-LM's train_step: its rerun loop around the schedule (DDP's NaN
-        while machine.should_run_forward_backward(None):  # check reports to the rerun state machine)
-            for chunk in model:
-                chunk.zero_grad_buffer()
-            optimizer.zero_grad()
-            schedule(forward_step_func=bare_forward, data_iterator=iter(range(args.num_microbatches)),
-                     model=model, num_microbatches=args.num_microbatches, seq_length=args.seq_length,
-                     micro_batch_size=args.micro_batch_size, forward_only=False)
-        updated, _, _ = optimizer.step()
-        if updated:
-            scheduler.step(increment=args.global_batch_size)
+    # Megatron-LM's train_step: its rerun loop around the schedule (DDP's NaN check reports to the machine).
+    bare = harness.bare_step(engine, batch["tokens"], batch["position_ids"], batch["labels"], rerun_loop=True)
 
     def one(fn) -> tuple[float, float]:
         w0, c0 = time.perf_counter(), time.process_time()
         fn()
         return time.perf_counter() - w0, time.process_time() - c0
 
-    n_params = sum(p.numel() for chunk in model for p in chunk.parameters())
+    n_params = engine.parameters
     log(f"step: {n_params / 1e6:.2f}M params, seq {args.seq_length}, micro batch {args.micro_batch_size}, "
         f"{torch.get_num_threads()} torch threads; warm-up ...")
     for _ in range(cfg["step_warmup"]):
@@ -609,16 +587,6 @@ def step_benchmark(cfg: dict, threads: int) -> dict:
 # ---------------------------------------------------------------------------------------------
 # orchestration and report
 # ---------------------------------------------------------------------------------------------
-def run_child(cmd: list[str], timeout: float) -> None:
-    proc = subprocess.run(cmd, env=child_env(), cwd=REPO, timeout=timeout)
-    if proc.returncode != 0:
-        raise SystemExit(f"benchmark worker failed ({proc.returncode}): {' '.join(cmd)}")
-
-
-def ratios(a: list[float], b: list[float]) -> dict:
-    return summarize([x / y for x, y in zip(a, b, strict=True)])
-
-
 def verdict(key: str, value: float) -> str:
     op, goal = GOALS[key]
     ok = value <= goal if op == "<=" else value >= goal
@@ -627,9 +595,9 @@ def verdict(key: str, value: float) -> str:
 
 def report(save: dict, step: dict, quick: bool, elapsed: float) -> dict:
     small, large = save["save_small"], save["save_large"]
-    r1 = ratios(small["atomic"], small["plain"])
-    r2 = ratios(large["raw"], large["atomic"])  # (bytes/atomic) / (bytes/raw) = raw / atomic
-    r3 = ratios(step["ours"], step["bare"])
+    r1 = harness.ratios(small["atomic"], small["plain"])
+    r2 = harness.ratios(large["raw"], large["atomic"])  # (bytes/atomic) / (bytes/raw) = raw / atomic
+    r3 = harness.ratios(step["ours"], step["bare"])
     steps_ours, steps_bare = sum(step["steps"]["ours"], []), sum(step["steps"]["bare"], [])
     best = {"save_overhead": min(small["atomic"]) / min(small["plain"]),
             "save_throughput": min(large["raw"]) / min(large["atomic"]),
@@ -668,24 +636,24 @@ def report(save: dict, step: dict, quick: bool, elapsed: float) -> dict:
           "of alternating steps, each side its median step). best/best: the same ratio from each side's "
           "fastest run, the least disturbed by other load. 'meets' judges the median.")
     large_plain = statistics.median(large["plain"])
-    cpu = ratios(step["ours_cpu"], step["bare_cpu"])
+    cpu = harness.ratios(step["ours_cpu"], step["bare_cpu"])
     print(f"\nratio 3 by process CPU time instead of wall time: {cpu['median']:.3f} "
           f"(spread {cpu['min']:.3f}-{cpu['max']:.3f}); per-step medians over all blocks: "
           f"train_step {statistics.median(sum(step['steps']['ours'], [])) * 1e3:.1f} ms, "
           f"bare {statistics.median(sum(step['steps']['bare'], [])) * 1e3:.1f} ms")
     print(f"\nratio 2 context: plain dist_checkpointing.save of the same {large['bytes'] / mib:.0f} MiB: "
           f"{large_plain:.3f} s ({large['bytes'] / mib / large_plain:.0f} MiB/s); "
-          f"atomic / plain = {ratios(large['atomic'], large['plain'])['median']:.3f}")
+          f"atomic / plain = {harness.ratios(large['atomic'], large['plain'])['median']:.3f}")
     if large.get("raw_hot"):
         hot = statistics.median(large["raw_hot"])
         print(f"ratio 2 context: raw write+fsync from one 16 MiB buffer, re-read from the CPU's cache (the "
               f"baseline before 2026-11-25): {large['bytes'] / mib / hot:.0f} MiB/s; checkpoint / that = "
-              f"{ratios(large['raw_hot'], large['atomic'])['median']:.3f}")
+              f"{harness.ratios(large['raw_hot'], large['atomic'])['median']:.3f}")
     if any(k in small for k in WHAT_IF):
         print("\nwhat-if (--what-if): the tier's save another way, same run, interleaved")
         for key, what in WHAT_IF.items():
-            w1 = ratios(small[key], small["plain"])
-            w2 = ratios(large["raw"], large[key])
+            w1 = harness.ratios(small[key], small["plain"])
+            w2 = harness.ratios(large["raw"], large[key])
             b1 = min(small[key]) / min(small["plain"])
             b2 = min(large["raw"]) / min(large[key])
             print(f"  {what}:\n    ratio 1 {w1['median']:.3f} (spread {w1['min']:.3f}-{w1['max']:.3f}, "
@@ -720,19 +688,14 @@ def orchestrate(opts: argparse.Namespace) -> int:
     os.environ.setdefault("BENCH_T0", str(_T0))
     os.makedirs(opts.workdir, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="bench_foundation_", dir=opts.workdir)
-    quick = ["--quick"] if opts.quick else []
     try:
-        result_json = os.path.join(tmp, "result.json")
         ckpt_dir = os.path.join(tmp, "ckpt")
         os.makedirs(ckpt_dir)
         log(f"working in {tmp}")
         log("benchmarks 1, 2 on 2 ranks under torchrun, then 3 in rank 0 alone ...")
-        run_child([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-                   "--nproc-per-node", "2", SCRIPT, "--_role", "worker", "--_result", result_json,
-                   "--_dir", ckpt_dir, "--step-threads", str(opts.step_threads), *quick,
-                   *(["--what-if"] if opts.what_if else [])], timeout=1200)
-        with open(result_json) as f:
-            save = json.load(f)
+        save = harness.run_workers(SCRIPT, 2, ["--dir", ckpt_dir, "--step-threads", str(opts.step_threads),
+                                               *(["--quick"] if opts.quick else []),
+                                               *(["--what-if"] if opts.what_if else [])], timeout=1200)
         step = save.pop("step")
         out = report(save, step, opts.quick, time.perf_counter() - t0)
         if opts.json:
@@ -756,12 +719,10 @@ def main() -> int:
     parser.add_argument("--step-threads", type=int, default=1,
                         help="torch threads for benchmark 3 (default %(default)s: on a shared machine two "
                              "OpenMP threads are descheduled independently and add noise)")
-    parser.add_argument("--_role", choices=["worker"], default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--_result", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--_dir", default=None, help=argparse.SUPPRESS)
+    harness.worker_flags(parser)
+    parser.add_argument("--dir", default=None, help=argparse.SUPPRESS)
     opts = parser.parse_args()
-    if opts._role == "worker":
-        opts.result, opts.dir = opts._result, opts._dir
+    if opts.worker:
         save_worker(opts)
         return 0
     return orchestrate(opts)

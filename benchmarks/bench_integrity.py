@@ -20,7 +20,8 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import harness
+
 TENSOR_MIB = 32
 
 
@@ -31,16 +32,14 @@ def main() -> int:
     opts = parser.parse_args()
     total_mib, repeats = (64, 2) if opts.quick else (512, 5)
 
-    sys.path.insert(0, REPO)
+    harness.start_worker(quiet=True)  # what pretrain.py installs (CPU: megatron-core's CUDA calls)
     import torch
     import torch.distributed as dist
     from megatron.core.dist_checkpointing import ShardedTensor
 
-    from megatron_resil import patches
     from megatron_resil.checkpointing.global_tier import GlobalTier
     from megatron_resil.checkpointing.tier import TierCandidate
 
-    patches.install(quiet=True)  # what pretrain.py installs at start-up (CPU: megatron-core's CUDA calls)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     numel = TENSOR_MIB * 2**20 // 4
@@ -89,14 +88,12 @@ def main() -> int:
         shutil.rmtree(base, ignore_errors=True)
         dist.destroy_process_group()
 
-    def spread(values: list[float]) -> str:
-        return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
     print(f"state: {total_mib} MiB in {len(state)} tensors, {repeats} repeats, torch {torch.__version__}")
     print(f"save without / with --verify-integrity (s, median): {statistics.median(plain):.2f} / "
           f"{statistics.median(hashed):.2f}")
-    print(f"save with / without --verify-integrity: {spread(ratios)}")
+    print(f"save with / without --verify-integrity: {harness.spread(ratios, 2)}")
     print(f"verify with integrity.json (CRC-32 + SHA-256, one read) / without (CRC-32): "
-          f"{spread(verify_ratios)}")
+          f"{harness.spread(verify_ratios, 2)}")
     return 0
 
 

@@ -35,16 +35,12 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PRETRAIN = os.path.join(REPO, "pretrain.py")
+import harness
+
+PRETRAIN = str(harness.REPO / "pretrain.py")
 FAULT_AT = 5
 FT_SECTIONS = ("--ft-rank-section-timeouts", "setup:600,step:180,checkpointing:420")
 _STEP_MS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+)")
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
-            "MASTER_ADDR": "127.0.0.1", "PYTHONUNBUFFERED": "1"}
 
 
 def _port() -> int:
@@ -54,10 +50,8 @@ def _port() -> int:
 
 
 def _model(hidden: int, iters: int) -> list[str]:
-    return ["--num-layers", "2", "--hidden-size", str(hidden), "--num-attention-heads", "4",
-            "--seq-length", "64", "--max-position-embeddings", "64", "--tokenizer-type", "NullTokenizer",
-            "--vocab-size", "256", "--micro-batch-size", "2", "--lr", "1e-3", "--mock-data",
-            "--log-interval", "1", "--eval-iters", "0", "--train-iters", str(iters)]
+    return [*harness.gpt_argv(2, hidden, 4, 64, 256, mbs=2), "--lr", "1e-3", "--log-interval", "1",
+            "--train-iters", str(iters)]
 
 
 def _ft_launcher(max_restarts: int) -> list[str]:
@@ -67,13 +61,8 @@ def _ft_launcher(max_restarts: int) -> list[str]:
             "false", *FT_SECTIONS]
 
 
-def _torchrun() -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-            "--nproc-per-node", "2"]
-
-
 def _run(cmd: list[str], extra_env: dict | None = None, timeout: float = 600) -> str:
-    done = subprocess.run(cmd, env={**_env(), **(extra_env or {})}, cwd=REPO, timeout=timeout,
+    done = subprocess.run(cmd, env=harness.child_env(**(extra_env or {})), cwd=harness.REPO, timeout=timeout,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return done.stdout
 
@@ -99,9 +88,9 @@ def recover(way: str, workdir: str, hidden: int) -> float:
     if way == "in-job restart":
         out = _run([*_ft_launcher(1), PRETRAIN, *args, "--enable-ft-package"])
     elif way == "in-process restart":
-        out = _run([*_torchrun(), PRETRAIN, *args, "--inprocess-restart"])
+        out = _run([*harness.torchrun(2), PRETRAIN, *args, "--inprocess-restart"])
     else:
-        out = _run(["bash", os.path.join(REPO, "scripts", "run_local.sh"), *args],
+        out = _run(["bash", str(harness.REPO / "scripts" / "run_local.sh"), *args],
                    {"RESIL_PYTHON": sys.executable, "MAX_RESTARTS": "0", "MAX_REQUEUES": "1"})
     try:
         return recovery_seconds(save)

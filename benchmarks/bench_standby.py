@@ -16,10 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import harness
 
-from megatron_resil import standby  # noqa: E402
+from megatron_resil import standby
 
 ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--max-position-embeddings", "32", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
@@ -28,8 +27,7 @@ ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
 
 
 def _env() -> dict[str, str]:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
-           "MASTER_ADDR": "127.0.0.1", "PYTHONUNBUFFERED": "1"}
+    env = harness.child_env()
     env.pop(standby.ENV, None)
     return env
 
@@ -44,9 +42,9 @@ def _launch(ranks: int, iters: int, env: dict[str, str], standby_pid: int | None
     own = resource.getrusage(resource.RUSAGE_CHILDREN)
     forked = _children_cpu(standby_pid) if standby_pid else 0.0
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-                           "--nproc-per-node", str(ranks), str(REPO / "pretrain.py"), *ARGS,
-                           "--train-iters", str(iters)], env=env, cwd=REPO, capture_output=True, text=True)
+    done = subprocess.run([*harness.torchrun(ranks), str(harness.REPO / "pretrain.py"), *ARGS,
+                           "--train-iters", str(iters)], env=env, cwd=harness.REPO, capture_output=True,
+                          text=True)
     wall = time.monotonic() - started
     if done.returncode != 0:
         raise SystemExit(f"a launch failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
@@ -67,16 +65,17 @@ def main() -> int:
     name = f"bench-{os.getpid()}"
     env = _env()
     server = subprocess.Popen([sys.executable, "-m", "megatron_resil.standby", "--name", name], env=env,
-                              cwd=REPO, stdout=subprocess.DEVNULL)
+                              cwd=harness.REPO, stdout=subprocess.DEVNULL)
+    value = f"{name}@{server.pid}"  # as a launcher's standby is named
     try:
-        while not standby.ping(name):
+        while not standby.ping(value):
             if server.poll() is not None:
                 raise SystemExit("the standby did not start")
             time.sleep(0.1)
         cold, forked = [], []
         for _ in range(args.rounds):  # alternated, so load on the machine falls on both alike
             cold.append(_launch(args.ranks, args.iters, env, None))
-            forked.append(_launch(args.ranks, args.iters, {**env, standby.ENV: name}, server.pid))
+            forked.append(_launch(args.ranks, args.iters, {**env, standby.ENV: value}, server.pid))
     finally:
         server.terminate()
         server.wait()

@@ -27,56 +27,41 @@ import argparse
 import json
 import os
 import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import harness
+
 FULL = {"shape": (4, 768, 12), "repeats": 7}
 QUICK = {"shape": (2, 128, 4), "repeats": 2}
 GOALS = {"persistent_load": 1.2, "local_load": 1.2}
 
 
 def model_argv(layers: int, hidden: int, heads: int) -> list[str]:
-    return ["--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", str(heads),
-            "--seq-length", "256", "--max-position-embeddings", "256", "--tokenizer-type", "NullTokenizer",
-            "--vocab-size", "1024", "--micro-batch-size", "1", "--train-iters", "100", "--lr", "1e-4",
-            "--min-lr", "1e-5", "--mock-data", "--eval-iters", "0"]
+    return [*harness.gpt_argv(layers, hidden, heads, 256, 1024), "--train-iters", "100", "--lr", "1e-4",
+            "--min-lr", "1e-5"]
 
 
 def worker(opts: argparse.Namespace) -> None:
-    sys.path.insert(0, REPO)
-    import torch.distributed as dist
+    harness.start_worker()  # what pretrain.py installs at start-up
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
     from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import (
         LocalCheckpointManager,
     )
 
-    from megatron_resil import parallel, patches, rerun
-    from megatron_resil.arguments import parse_args
+    from megatron_resil import parallel
     from megatron_resil.checkpointing import loader
     from megatron_resil.checkpointing.global_tier import GlobalTier
     from megatron_resil.checkpointing.local_tier import LocalTier
     from megatron_resil.checkpointing.replication import build_clique_strategy
     from megatron_resil.checkpointing.state import build_sharded_state
-    from megatron_resil.data import build_datasets
     from megatron_resil.progress import TrainProgress
-    from megatron_resil.tokenizer import build_tokenizer
-    from megatron_resil.training import build_engine, train_step
 
     cfg = QUICK if opts.quick else FULL
-    patches.install()  # what pretrain.py installs at start-up
     world = int(os.environ["WORLD_SIZE"])
-    args = parse_args(model_argv(*cfg["shape"]), world_size=world)
-    parallel.initialize(args)
-    rerun.initialize(rerun.RerunConfig.from_args(args))
-    tokenizer = build_tokenizer(args)
-    model, optimizer, scheduler = build_engine(args, tokenizer.vocab_size)
-    train_ds, _ = build_datasets(args, tokenizer)
-    train_step(args, model, optimizer, scheduler, train_ds, TrainProgress())  # realistic Adam state
+    engine = harness.build(model_argv(*cfg["shape"]), world, first_step=True)  # realistic Adam state
+    model, optimizer, scheduler, args = engine.model, engine.optimizer, engine.scheduler, engine.args
 
     def state(loading: bool = False) -> dict:
         return build_sharded_state(model, optimizer, scheduler, TrainProgress(iteration=10), args,
@@ -84,13 +69,6 @@ def worker(opts: argparse.Namespace) -> None:
 
     def template(_candidate=None, _saved_args=None, _saved_metadata=None) -> dict:
         return state(loading=True)
-
-    def timed(fn) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        dist.barrier()
-        return time.perf_counter() - t0
 
     root = opts.dir
     results: dict[str, list[float]] = {}
@@ -102,7 +80,7 @@ def worker(opts: argparse.Namespace) -> None:
     sizes["persistent"] = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
     verified = lambda: loader.load_first_verified([persistent], template)  # noqa: E731
     plain = lambda: dist_checkpointing.load(template(), path)  # noqa: E731
-    results["persistent_load"] = _interleave(timed, verified, plain, cfg["repeats"])
+    results["persistent_load"] = _interleave(verified, plain, cfg["repeats"])
 
     # 2 and 3. local tier with replication (factor 2 over the 2 ranks)
     ours = LocalTier(os.path.join(root, "ours"), replication=(1, 2))
@@ -120,7 +98,7 @@ def worker(opts: argparse.Namespace) -> None:
             parallelization_group=parallel_state.get_data_parallel_group(with_context_parallel=True))
         nvrx.save(tasd, counter["nvrx"])
 
-    results["local_save"] = _interleave(timed, save_ours, save_nvrx, cfg["repeats"])
+    results["local_save"] = _interleave(save_ours, save_nvrx, cfg["repeats"])
     mine = os.path.join(root, "ours", str(parallel.rank()))
     sizes["local_per_rank"] = sum(os.path.getsize(os.path.join(mine, f)) for f in os.listdir(mine)
                                   if f.endswith("_local.pt"))
@@ -139,15 +117,15 @@ def worker(opts: argparse.Namespace) -> None:
                              parallelization_group=parallel_state.get_data_parallel_group(
                                  with_context_parallel=True))
 
-    results["local_load"] = _interleave(timed, load_ours, load_nvrx, cfg["repeats"])
-    if parallel.is_rank0():
-        with open(opts.out, "w") as f:
-            json.dump({"ratios": results, "sizes": sizes, "shape": cfg["shape"], "world": world}, f)
+    results["local_load"] = _interleave(load_ours, load_nvrx, cfg["repeats"])
+    harness.write_results(opts.out, {"ratios": results, "sizes": sizes, "shape": cfg["shape"],
+                                     "world": world})
     parallel.shutdown()
 
 
-def _interleave(timed, a, b, repeats: int) -> list[float]:
+def _interleave(a, b, repeats: int) -> list[float]:
     """Ratios a/b over `repeats` pairs, alternating which runs first; one warm-up pair first."""
+    timed = harness.timed
     timed(a), timed(b)
     ratios = []
     for i in range(repeats):
@@ -165,25 +143,16 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--workdir", default=None, help="where the checkpoints go (default: a temp dir)")
     parser.add_argument("--json", default=None, help="also write the results here")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    harness.worker_flags(parser)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.worker:
         worker(opts)
         return 0
     work = tempfile.mkdtemp(prefix="bench_tiers_", dir=opts.workdir)
-    out = os.path.join(work, "results.json")
-    env = dict(os.environ, PYTHONWARNINGS="ignore", GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1",
-               OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.abspath(__file__), "--worker", "--dir", os.path.join(work, "ckpt"), "--out", out]
-    if opts.quick:
-        cmd.append("--quick")
     try:
-        subprocess.run(cmd, env=env, check=True)
-        with open(out) as f:
-            data = json.load(f)
+        data = harness.run_workers(__file__, 2, ["--dir", os.path.join(work, "ckpt"),
+                                                 *(["--quick"] if opts.quick else [])])
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"\nmodel (layers, hidden, heads) {tuple(data['shape'])}, {data['world']} ranks; persistent "
@@ -194,10 +163,10 @@ def main() -> int:
               "local_load": "local: verified load / NVRx load (unverified)",
               "local_save": "local: sealed save / NVRx save"}
     for key, label in labels.items():
-        values = data["ratios"][key]
+        values = harness.summarize(data["ratios"][key])
         goal = f"<= {GOALS[key]}" if key in GOALS else "as measured"
-        print(f"| {label} | {goal} | {statistics.median(values):.3f} | {min(values):.3f}-{max(values):.3f} "
-              f"| {len(values)} |")
+        print(f"| {label} | {goal} | {values['median']:.3f} | {values['min']:.3f}-{values['max']:.3f} "
+              f"| {values['n']} |")
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump(data, f, indent=1)

@@ -21,14 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+import harness
 
 
 def worker(opts: argparse.Namespace) -> None:
@@ -38,28 +36,19 @@ def worker(opts: argparse.Namespace) -> None:
 
     logging.getLogger("megatron.core.rerun_state_machine").setLevel(logging.ERROR)  # a line per switch
 
-    sys.path.insert(0, str(REPO))
-    from megatron_resil import parallel, patches, rerun
-    from megatron_resil.arguments import parse_args
-    from megatron_resil.data import build_datasets
+    harness.start_worker()  # what pretrain.py installs at start-up
+    from megatron_resil import parallel, rerun
     from megatron_resil.progress import TrainProgress
     from megatron_resil.straggler import TimedRanks
-    from megatron_resil.tokenizer import build_tokenizer
-    from megatron_resil.training import build_engine, train_step
 
     torch.set_num_threads(1)
-    patches.install()  # what pretrain.py installs at start-up
-    argv = ["--num-layers", str(opts.layers), "--hidden-size", str(opts.hidden), "--num-attention-heads", "4",
-            "--seq-length", str(opts.seq), "--max-position-embeddings", str(opts.seq),
-            "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024", "--micro-batch-size", str(opts.mbs),
+    argv = [*harness.gpt_argv(opts.layers, opts.hidden, 4, opts.seq, 1024, opts.mbs),
             "--global-batch-size", str(2 * opts.mbs), "--train-iters", "100000", "--lr", "1e-4",
-            "--mock-data", "--log-straggler", "--straggler-report-interval", str(opts.report_interval),
-            "--log-interval", "100000", "--eval-iters", "0"]
-    args = parse_args(argv, world_size=int(os.environ["WORLD_SIZE"]))
-    parallel.initialize(args)
-    tokenizer = build_tokenizer(args)
-    model, optimizer, scheduler = build_engine(args, tokenizer.vocab_size)
-    train_ds, _ = build_datasets(args, tokenizer)
+            "--log-straggler", "--straggler-report-interval", str(opts.report_interval),
+            "--log-interval", "100000"]
+    # The machine is configured for each step (A or B) below.
+    engine = harness.build(argv, int(os.environ["WORLD_SIZE"]), validation=False)
+    args, model = engine.args, engine.model
     progress = TrainProgress()  # not advanced: every step draws the same microbatch, on both sides
     # Its hook stays installed on both sides; without iteration_started (side B) it records nothing.
     stragglers = TimedRanks(args, model)
@@ -74,7 +63,7 @@ def worker(opts: argparse.Namespace) -> None:
         began = time.perf_counter()
         if with_checks:
             stragglers.iteration_started()
-        train_step(args, model, optimizer, scheduler, train_ds, progress)
+        engine.train_step(progress)
         if with_checks:
             a_steps += 1
             stragglers.report(a_steps)
@@ -93,8 +82,7 @@ def worker(opts: argparse.Namespace) -> None:
         if parallel.is_rank0():
             print(f"[bench] block {len(blocks)}: A {blocks[-1]['A'] * 1e3:.1f} ms, "
                   f"B {blocks[-1]['B'] * 1e3:.1f} ms", flush=True)
-    if parallel.is_rank0():
-        Path(opts.out).write_text(json.dumps({"blocks": blocks, "a_steps": a_steps}))
+    harness.write_results(opts.out, {"blocks": blocks, "a_steps": a_steps})
     parallel.shutdown()
 
 
@@ -102,8 +90,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small model and few steps (a smoke run)")
     parser.add_argument("--json", default=None, help="also write the results here")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    harness.worker_flags(parser)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=256)
@@ -118,28 +105,18 @@ def main() -> int:
         return 0
     if opts.quick:
         opts.hidden, opts.layers, opts.seq, opts.mbs, opts.blocks, opts.block = 64, 2, 64, 2, 2, 4
-    out = Path(f"/tmp/bench_validation_{os.getpid()}.json")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
-           "MASTER_ADDR": "127.0.0.1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(port), __file__, "--worker", "--out", str(out),
-           *[f"--{k.replace('_', '-')}={v}" for k, v in vars(opts).items()
-             if k in ("hidden", "layers", "seq", "mbs", "blocks", "block", "warmup", "report_interval")]]
     began = time.time()
-    subprocess.run(cmd, env=env, cwd=REPO, check=True)
-    result = json.loads(out.read_text())
-    out.unlink()
-    ratios = [b["A"] / b["B"] for b in result["blocks"]]
+    result = harness.run_workers(__file__, 2, [f"--{k.replace('_', '-')}={v}" for k, v in vars(opts).items()
+                                               if k in ("hidden", "layers", "seq", "mbs", "blocks", "block",
+                                                        "warmup", "report_interval")])
+    ratio = harness.ratios([b["A"] for b in result["blocks"]], [b["B"] for b in result["blocks"]])
     summary = {
         "workload": f"2 ranks, {opts.layers} layers, hidden {opts.hidden}, seq {opts.seq}, "
                     f"micro batch {opts.mbs}",
         "A_ms": round(statistics.median(b["A"] for b in result["blocks"]) * 1e3, 1),
         "B_ms": round(statistics.median(b["B"] for b in result["blocks"]) * 1e3, 1),
-        "ratio_median": round(statistics.median(ratios), 4), "ratio_min": round(min(ratios), 4),
-        "ratio_max": round(max(ratios), 4), "blocks": len(ratios), "steps_per_block": opts.block,
+        "ratio_median": round(ratio["median"], 4), "ratio_min": round(ratio["min"], 4),
+        "ratio_max": round(ratio["max"], 4), "blocks": ratio["n"], "steps_per_block": opts.block,
         "straggler_reports": result["a_steps"] // opts.report_interval, "seconds": round(time.time() - began),
     }
     print("\nvalidation + straggler detection (A) / neither (B), median step time per block:")

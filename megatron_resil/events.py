@@ -2,6 +2,10 @@
 with its reason: one `[resil] <event>: <message>` line printed by rank 0, so operators can grep a
 run's decisions, and, when the run saves checkpoints, one JSON line appended to `<save>/events.jsonl`
 that outlives the job's console log across restarts and requeues.
+
+A message may quote what a checkpoint holds (a file name, a manifest key): every line is printed through
+`say`, which escapes what is unprintable and never fails on the stream's encoding, so a name no encoder
+can write never turns a decision into a traceback.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import os
 import socket
 import sys
 import time
+
+from megatron_resil.checkpointing.untrusted import escape_untrusted
 
 EVENT_LOG_NAME = "events.jsonl"
 _event_log_path: str | None = None
@@ -62,9 +68,22 @@ def _is_rank0() -> bool:
     return parallel.is_rank0()
 
 
+def say(line: str, stream=None) -> None:
+    """Print one line (to stdout by default), its unprintable characters escaped (escape_untrusted) and
+    what the stream's encoding lacks (an ASCII stdout, `PYTHONIOENCODING=ascii:strict`) as backslash
+    escapes: it cannot raise an encoding error."""
+    stream = stream if stream is not None else sys.stdout
+    line = escape_untrusted(line)
+    try:
+        print(line, file=stream, flush=True)
+    except UnicodeEncodeError:  # raised before anything is written: the line is encoded whole first
+        encoding = getattr(stream, "encoding", None) or "ascii"
+        print(line.encode(encoding, "backslashreplace").decode(encoding), file=stream, flush=True)
+
+
 def print_rank_0(message: str) -> None:
     if _is_rank0():
-        print(message, flush=True)
+        say(message)
 
 
 def decision(event: str, message: str, **fields) -> None:
@@ -77,6 +96,8 @@ def record(event: str, **fields) -> None:
     """Append one event to the JSON event log (rank 0; a no-op without --save)."""
     if _event_log_path is None or not _is_rank0():
         return
+    fields = {name: escape_untrusted(value) if isinstance(value, str) else value
+              for name, value in fields.items()}
     entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "unix": round(time.time(), 3),
              "event": event, "host": socket.gethostname(), "pid": os.getpid(), **fields}
     line = (json.dumps(entry, sort_keys=True) + "\n").encode()
@@ -139,4 +160,4 @@ def last_exit_of_run(run_id: str) -> dict | None:
 
 def warn(message: str) -> None:
     if _is_rank0():
-        print(f"WARNING: {message}", file=sys.stderr, flush=True)
+        say(f"WARNING: {message}", sys.stderr)

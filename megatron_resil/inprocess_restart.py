@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_resil import events, exit_codes, parallel
+from megatron_resil.patches import nvrx as nvrx_patches
 
 with warnings.catch_warnings():  # NVRx's pynvml deprecation warning is noise on every rank
     warnings.simplefilter("ignore")
@@ -48,10 +49,6 @@ _CUDA_STEP_TIMEOUT = datetime.timedelta(seconds=10)
 _MESSAGE_CHARS = 500  # of an exception's message, in the restart line
 _EXIT_RECORDED = "exit_recorded"
 _EXIT_RECORD_TIMEOUT = datetime.timedelta(seconds=60)
-# NVRx 0.5 and later chain checks of their own after the Wrapper's health_check and run them before every
-# restart (the Wrapper's `restart_health_check`; 0.4.1 has neither): one each for the GPU, its NVLinks and
-# its InfiniBand NIC, the GPU being LOCAL_RANK's. All three read the GPU through NVML.
-_NVRX_GPU_HEALTH_CHECKS = ("ChainedGPUHealthCheck", "ChainedNVLHealthCheck", "ChainedNicHealthCheck")
 
 
 def run(pretrain: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
@@ -64,7 +61,8 @@ def run(pretrain: Callable[[argparse.Namespace], int], args: argparse.Namespace)
                           wait_for_workers=True)
     attempts = Attempts(pretrain, args, store)
     wrapper = _wrapper(args, port, attempts)
-    attempts.health_checks_left_out = _leave_out_gpu_health_checks(wrapper)
+    # Without CUDA, NVRx's own GPU checks before a restart are left out of the wrapper (patches/nvrx.py).
+    attempts.health_checks_left_out = nvrx_patches.gpu_health_checks_left_out()
     wrapped = wrapper(attempts.run)
     try:
         return wrapped()
@@ -120,22 +118,6 @@ def _wrapper(args: argparse.Namespace, master_port: int, attempts: "Attempts") -
         last_call_wait=secs("last_call_wait"),
         termination_grace_time=secs("termination_grace_time"),
     )
-
-
-def _leave_out_gpu_health_checks(wrapper: inprocess.Wrapper) -> tuple[str, ...]:
-    """Without CUDA, drop NVRx's own GPU checks from those it runs before a restart, and return their names.
-    On a host without a GPU there is no NVML: the NVLink check raises NVMLError and the GPU check reports
-    the GPU unhealthy, so every rank would end with HealthCheckError at the first restart. With CUDA they
-    all stay. This is the one place that knows whether this NVRx has them (by the Wrapper's attribute)."""
-    chained = getattr(wrapper, "restart_health_check", None)
-    if chained is None or torch.cuda.is_available():
-        return ()
-    gpu_checks = tuple(getattr(inprocess.health_check, name) for name in _NVRX_GPU_HEALTH_CHECKS
-                       if hasattr(inprocess.health_check, name))
-    checks = getattr(chained, "instances", (chained,))  # a Compose, or a single check
-    kept = [check for check in checks if not isinstance(check, gpu_checks)]
-    wrapper.restart_health_check = inprocess.Compose(*kept) if kept else None
-    return tuple(type(check).__name__ for check in checks if isinstance(check, gpu_checks))
 
 
 @dataclass(frozen=True)

@@ -112,13 +112,6 @@ def initialize(config: RerunConfig) -> None:
         error_injector=_ErrorInjector(config.error_injection_rate,
                                      RerunDiagnostic(config.error_injection_type), config.seed))
     _config = config
-    machine = get_rerun_state_machine()
-    machine.validate_result = _tracked(machine.validate_result)
-    if config.mode == RerunMode.REPORT_DETERMINISM_STATS:
-        # megatron-core 0.16.1's own report reads Caller.filename, which Caller lacks (AttributeError on
-        # rank 0 at the first report), and logs at INFO, which nothing shows. StepValidation reports instead.
-        # (A private method: checked at start-up, patches/megatron_core.py.)
-        get_rerun_state_machine()._maybe_report_stats = lambda: None
 
 
 def reset() -> None:
@@ -132,16 +125,15 @@ def reset() -> None:
 _active_step: StepValidation | None = None
 
 
-def _tracked(validate: Callable) -> Callable:
-    def validate_result(result, rejection_func, message: str = "unexpected result", comparison_func=None,
-                        tolerance: float = 0.0, fatal: bool = True):
-        if _active_step is None:
-            return validate(result, rejection_func, message, comparison_func=comparison_func,
-                            tolerance=tolerance, fatal=fatal)
-        return _active_step._validate(validate, result, rejection_func, message, comparison_func, tolerance,
-                                      fatal)
-
-    return validate_result
+def report_validation(validate: Callable, result, rejection_func: Callable, message: str,
+                      comparison_func: Callable | None, tolerance: float, fatal: bool) -> None:
+    """One of the machine's validate_result calls, `validate` being megatron-core's (patches/megatron_core.py
+    routes every call here): to the step being validated, which remembers it for its log line."""
+    if _active_step is None:
+        return validate(result, rejection_func, message, comparison_func=comparison_func, tolerance=tolerance,
+                        fatal=fatal)
+    return _active_step._validate(validate, result, rejection_func, message, comparison_func, tolerance,
+                                  fatal)
 
 
 class _ErrorInjector(RerunErrorInjector):
@@ -210,11 +202,9 @@ class StepValidation:
         self._rejected: tuple[str, int] | None = None
         self._finding: _Finding | None = None
         if self.machine.state == RerunState.NOT_RUNNING_YET:  # a fresh step, not one resumed for a rerun
-            self.machine.current_iteration = iteration - 1  # its logs then number steps as we do
-            # megatron-core keeps the rejected call of an earlier step, and a later rerun would compare
-            # this step's result with that step's (and may "continue" past a real fault): forget it.
-            self.machine.failed_validation_call = None
-            self.machine.initial_result = None
+            # Its logs then number steps as we do (Megatron-LM's train() sets it the same way, once). That
+            # the machine forgets the rejected call of an earlier step is patches/megatron_core.py's.
+            self.machine.current_iteration = iteration - 1
 
     def runs(self) -> bool:
         """Whether to (re)run forward and backward; zero the gradients before each pass."""
@@ -246,7 +236,7 @@ class StepValidation:
     @property
     def grad_checks(self) -> bool:
         """Whether megatron-core's DDP validates this rank's gradient norm before the reduction, as
-        Megatron-LM has it do (its findings reach this step through the machine, see `_tracked`)."""
+        Megatron-LM has it do (its findings reach this step through the machine, see `report_validation`)."""
         return self.nan_checks
 
     def _validate(self, validate: Callable, result: torch.Tensor, rejection_func: Callable, message: str,

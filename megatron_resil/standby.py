@@ -25,15 +25,23 @@ What was imported must be what the rank would have imported: the standby serves 
 same interpreter, the same megatron_resil, the same module search path and the same import-time
 environment (PYTHON*, TORCH*, OMP_*, ... below); otherwise, or with no standby answering, the rank says so
 in one line and imports for itself. --inprocess-restart keeps its processes and does not use a standby.
-Only a client of the standby's own user is served (SO_PEERCRED). The socket is in Linux's abstract
-namespace: nothing is written on disk.
+
+Trust, each way (docs/standby.md, "Who may connect"). The socket is in Linux's abstract namespace: nothing
+is written on disk, and any local user may bind a name first. So the client sends nothing until the peer
+credentials (SO_PEERCRED) of the process holding the name show its own uid and, with
+MEGATRON_RESIL_STANDBY=NAME@PID, the pid its starter recorded; it signals only a process that the
+standby forked (a pidfd, checked against the standby's pid), and the worker runs pretrain.py only after
+the client has checked it. The standby serves only clients of its own uid, reads each request without
+blocking, bounded in size, nesting and time and checked against a schema, and drops a bad one with one
+line: no request can stall it or end it (and with it its workers). A worker takes its client's rlimits,
+nice value, CPU affinity and NUMA memory policy before anything else, or refuses the client, which then
+imports for itself.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
-import json
 import os
 import select
 import signal
@@ -43,7 +51,10 @@ import subprocess
 import sys
 import time
 
-ENV = "MEGATRON_RESIL_STANDBY"  # the name of the standby a rank hands itself to
+from megatron_resil import standby_settings
+from megatron_resil import standby_wire as wire
+
+ENV = "MEGATRON_RESIL_STANDBY"  # NAME@PID (or NAME): the standby a rank hands itself to, and its pid
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
              signal.SIGCONT)
 # What the standby imports: torch and the parts of it megatron-core imports, none of which our patches
@@ -63,7 +74,7 @@ _NOT_IMPORT_ENV = ("TORCHELASTIC_", "TORCH_ELASTIC_", "TORCH_NCCL_", "TORCH_WORK
 _TICK = 0.02  # seconds between checks of the clients' stopped state
 _HANDSHAKE_SECS = 30.0
 _FOLLOW_SECS = 0.01  # seconds between a client's looks at how its worker handles signals (0.2% of a core)
-_HEADER = struct.Struct("!I")
+_MAX_PENDING = 32  # requests being read at once (standby_wire.Pending); more are dropped
 
 _client: int | None = None  # in a worker: the pid of the process the launcher started
 
@@ -92,17 +103,15 @@ def launcher_pid() -> int:
 def hand_over() -> None:
     """Run this rank in the standby named by MEGATRON_RESIL_STANDBY, if there is one that fits: then this
     process only mirrors its worker and never returns. Otherwise return, having said why in one line."""
-    name = os.environ.get(ENV)
-    if not name or _client is not None:
+    value = os.environ.get(ENV)
+    if not value or _client is not None:
         return
     if "--inprocess-restart" in sys.argv[1:]:
-        return _not_used(name, "--inprocess-restart restarts within its processes")
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        return _not_used(value, "--inprocess-restart restarts within its processes")
     try:
-        sock.connect(_address(name))
-    except OSError as err:
-        sock.close()
-        return _not_used(name, f"no standby answers ({err.strerror or err})")
+        sock, standby = _connect(value)
+    except _NotUsed as why:
+        return _not_used(value, str(why))
     fds = [fd for fd in (0, 1, 2) if _is_open(fd)]
     umask = os.umask(0)
     os.umask(umask)
@@ -110,33 +119,89 @@ def hand_over() -> None:
 
     request = {"argv": sys.argv, "env": dict(os.environ), "cwd": os.getcwd(), "path": sys.path,
                "umask": umask, "pid": os.getpid(), "fds": fds,
-               "streams": _streams(), "marks": restart_phases.process_marks(), "fingerprint": fingerprint()}
-    try:
-        sock.settimeout(_HANDSHAKE_SECS)  # a stopped or stuck standby: import here instead (a worker it
-        _send(sock, request, fds)  # forks later finds no one to tell its pid to, and is killed)
-        reply = _receive(sock)
+               "streams": _streams(), "marks": restart_phases.process_marks(), "fingerprint": fingerprint(),
+               **standby_settings.current()}
+    try:  # a stopped or stuck standby: import here instead (a worker it forks later is never let run)
+        wire.send(sock, request, fds)
+        worker, worker_fd = _worker(wire.receive(sock), standby)
+        wire.send(sock, {"go": True})
         sock.settimeout(None)
+    except _NotUsed as why:
+        sock.close()
+        return _not_used(value, str(why))
     except (OSError, ValueError) as err:
         sock.close()
-        return _not_used(name, f"the standby did not answer ({err})")
-    if "refused" in reply:
-        sock.close()
-        return _not_used(name, reply["refused"])
-    _mirror(sock, int(reply["pid"]))
+        return _not_used(value, f"the standby did not answer ({err})")
+    _mirror(sock, worker, worker_fd)
 
 
-def _not_used(name: str, why: str) -> None:
+class _NotUsed(Exception):
+    """Why this rank does not hand itself over: it imports for itself."""
+
+
+def _not_used(value: str, why: str) -> None:
     if os.environ.get("RANK", "0") == "0":
-        print(f"[resil] standby: {ENV}={name} not used: {why}; this rank imports torch itself",
+        print(f"[resil] standby: {ENV}={value} not used: {why}; this rank imports torch itself",
               file=sys.stderr, flush=True)
 
 
-def _mirror(sock: socket.socket, worker: int) -> None:
+def _connect(value: str) -> tuple[socket.socket, int]:
+    """A connection to the standby that `value` (NAME@PID, or NAME) names, and its pid: only once the
+    process holding the name is known to run as this process's uid and, given PID, to be that process.
+    Anyone may bind an abstract name first; nothing is sent to a process that is not the standby."""
+    name, at, recorded = value.partition("@")
+    if not name or at and not (recorded.isascii() and recorded.isdigit() and int(recorded) > 0):
+        raise _NotUsed("not NAME or NAME@PID (the standby's pid, as `python -m megatron_resil.standby "
+                       "--name NAME` prints it)")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(_HANDSHAKE_SECS)  # a full backlog: connect() waits
+    try:
+        sock.connect(wire.address(name))
+        pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    except OSError as err:
+        sock.close()
+        raise _NotUsed(f"no standby answers ({err.strerror or err})") from None
+    if uid != os.geteuid():
+        why = f"the process holding that name (pid {pid}) runs as uid {uid}, this rank as {os.geteuid()}"
+    elif at and pid != int(recorded):
+        why = f"the process holding that name is pid {pid}, not the standby's pid {recorded}"
+    else:
+        return sock, pid
+    sock.close()
+    raise _NotUsed(f"{why}; nothing was sent to it")
+
+
+def _worker(reply: object, standby: int) -> tuple[int, int]:
+    """The worker the standby forked for this rank, as (pid, pidfd): a child of `standby`, pinned by a
+    pidfd so that no signal of this process can reach another that took its pid. Raises _NotUsed."""
+    if not isinstance(reply, dict):
+        raise _NotUsed("the standby's answer is not one")
+    if isinstance(reply.get("refused"), str):
+        raise _NotUsed(reply["refused"])
+    pid = reply.get("pid")
+    if type(pid) is not int or pid <= 0:
+        raise _NotUsed(f"the standby answered {wire.short(reply)}, not with its worker")
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError as err:
+        raise _NotUsed(f"the worker it named (pid {pid}) cannot be found ({err.strerror})") from None
+    fields = _stat(pid)
+    try:
+        signal.pidfd_send_signal(fd, 0)  # still alive: the stat just read was the pidfd's process's
+        if fields is not None and int(fields[1]) == standby:
+            return pid, fd
+    except OSError:
+        pass
+    os.close(fd)
+    raise _NotUsed(f"the standby (pid {standby}) answered with pid {pid}, which is not a process it forked")
+
+
+def _mirror(sock: socket.socket, worker: int, worker_fd: int) -> None:
     """Be the worker to the launcher: handle each signal as the worker does (pass on the ones it catches,
     ignore the ones it ignores, die of the others as it would), and end as it ends."""
     def forward(signum, _frame):
         try:
-            os.kill(worker, signum)
+            signal.pidfd_send_signal(worker_fd, signum)
         except ProcessLookupError:
             pass
 
@@ -148,21 +213,22 @@ def _mirror(sock: socket.socket, worker: int) -> None:
                 signal.signal(signum, handler)
                 followed[signum] = handler
     try:
-        end = _receive(sock)
+        end = wire.receive(sock)
     except (OSError, ValueError):
         end = {}
+    end = end if isinstance(end, dict) else {}
     sys.stdout.flush()
-    if "signal" in end:
-        signum = int(end["signal"])
+    if type(end.get("signal")) is int and 0 < end["signal"] < signal.NSIG:
+        signum = end["signal"]
         if signum not in (signal.SIGKILL, signal.SIGSTOP):
             signal.signal(signum, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
         os.kill(os.getpid(), signum)
         os._exit(128 + signum)  # a signal whose default is not to end the process
-    if "exit" in end:
-        os._exit(int(end["exit"]))
+    if type(end.get("exit")) is int:
+        os._exit(end["exit"] & 0xFF)
     try:  # the standby died: its worker dies with it (parent-death signal); make sure
-        os.kill(worker, signal.SIGKILL)
+        signal.pidfd_send_signal(worker_fd, signal.SIGKILL)
     except ProcessLookupError:
         pass
     print(f"[resil] standby: the standby process that ran this rank (worker pid {worker}) is gone; the rank "
@@ -231,40 +297,6 @@ def _is_open(fd: int) -> bool:
     return True
 
 
-# ---- the wire ------------------------------------------------------------------------------------------
-
-def _address(name: str) -> bytes:
-    return b"\0megatron-resil-standby/" + name.encode()
-
-
-def _send(sock: socket.socket, message: dict, fds: list[int] | None = None) -> None:
-    payload = json.dumps(message).encode()
-    data = _HEADER.pack(len(payload)) + payload
-    if fds:
-        rights = (socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))
-        sent = sock.sendmsg([data], [rights])
-        data = data[sent:]
-    if data:
-        sock.sendall(data)
-
-
-def _receive(sock: socket.socket, fds_out: list[int] | None = None) -> dict:
-    """One message; the descriptors that came with it are appended to `fds_out`."""
-    data = b""
-    while len(data) < _HEADER.size or len(data) < _HEADER.size + _HEADER.unpack_from(data)[0]:
-        if fds_out is not None:
-            chunk, ancillary, _flags, _addr = sock.recvmsg(1 << 16, socket.CMSG_SPACE(16 * 4))
-            for level, kind, raw in ancillary:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    fds_out.extend(struct.unpack(f"{len(raw) // 4}i", raw[:len(raw) - len(raw) % 4]))
-        else:
-            chunk = sock.recv(1 << 16)
-        if not chunk:
-            raise ValueError("the connection closed")
-        data += chunk
-    return json.loads(data[_HEADER.size:])
-
-
 # ---- the standby -----------------------------------------------------------------------------------------
 
 class _Served:
@@ -289,11 +321,12 @@ def serve(name: str, preload: tuple[str, ...] = PRELOAD, ready_fd: int | None = 
 
     started = time.monotonic()
     parent = os.getppid()
+    value = f"{name}@{os.getpid()}"  # what ranks are started with
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        listener.bind(_address(name))
+        listener.bind(wire.address(name))
     except OSError as err:
-        print(f"[resil] standby: the name {name!r} is taken ({err.strerror}): another standby serves it",
+        print(f"[resil] standby: the name {name!r} is taken ({err.strerror}): another process serves it",
               file=sys.stderr, flush=True)
         sys.exit(2)
     # Bound before the imports: a rank that comes meanwhile waits in the backlog (its handshake allows
@@ -311,63 +344,125 @@ def serve(name: str, preload: tuple[str, ...] = PRELOAD, ready_fd: int | None = 
     unusable = ("a rank forked from it could not use CUDA (torch was asked about CUDA devices while it "
                 "imported)") if torch_startup.forks_cannot_use_cuda() else None
     if unusable is not None:
-        print(f"[resil] standby {name!r}: {unusable}; ranks started with {ENV}={name} import torch "
+        print(f"[resil] standby {name!r}: {unusable}; ranks started with {ENV}={value} import torch "
               "themselves", flush=True)
     print(f"[resil] standby {name!r}: ready in {time.monotonic() - started:.1f} s ({', '.join(preload)} "
-          f"imported); ranks started with {ENV}={name} are forked from it", flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the workers die with it (parent-death signal)
+          f"imported); ranks started with {ENV}={value} are forked from it", flush=True)
+    # SIGTERM: no new ranks, and an end once the running ones have ended. Slurm's scancel, requeue and
+    # time-limit signal reach every process of the job step, this one and its workers among them: were
+    # it to end now, its workers would die with it (parent-death signal) before they could save.
+    terminated: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, _frame: terminated.append(signum))
     served: dict[int, _Served] = {}
+    pending: dict[socket.socket, wire.Pending] = {}
     warmup = Warmup(enabled=not torch_only)  # megatron-core too, for the first pretrain.py run's patches
     while listener is not None or served:
-        if listener is not None and os.getppid() != parent:
+        if listener is not None and (terminated or os.getppid() != parent):
             # No new ranks. The running ones end by themselves: their launcher watch sees the launcher
-            # gone and writes the exit record (exit 9), which a standby dying under them would not.
+            # gone and writes the exit record (exit 9), which a standby dying under them would not; or
+            # they got the SIGTERM too, and save.
+            if served:
+                why = "SIGTERM" if terminated else "its parent is gone"
+                print(f"[resil] standby {name!r}: {why}: no new ranks; it ends once its {len(served)} "
+                      "running rank(s) have", flush=True)
             listener.close()
             listener = None
-        waiting = [fd for s in served.values() for fd in (s.client_fd, s.worker_fd)]
+            for request in pending.values():
+                request.close()
+            pending.clear()
+        waiting = [fd for s in served.values() for fd in (s.client_fd, s.worker_fd)] + list(pending)
         ready, _, _ = select.select(waiting + ([listener] if listener is not None else []), [], [], _TICK)
         if listener is not None and listener in ready:
-            _accept(listener, mine, served, warmup, unusable)
+            _accept(listener, pending)
+        for conn in [conn for conn in ready if conn in pending]:
+            _take(pending[conn], listener, mine, served, pending, warmup, unusable)
+        for request in [r for r in pending.values() if time.monotonic() > r.deadline]:
+            # One last look first: it may have come while the standby was busy (importing ahead).
+            _take(request, listener, mine, served, pending, warmup, unusable)
+            if request.conn in pending:
+                del pending[request.conn]
+                got = len(request.data)
+                _drop(request, f"not whole {wire.REQUEST_SECS:.0f} s after it came ({got} bytes of it)")
         _tend(served)
 
 
-def _accept(listener: socket.socket, mine: dict, served: dict[int, _Served], warmup,
-            unusable: str | None) -> None:
-    conn, _ = listener.accept()
-    fds: list[int] = []
+def _take(request: wire.Pending, listener: socket.socket, mine: dict, served: dict[int, _Served],
+          pending: dict[socket.socket, wire.Pending], warmup, unusable: str | None) -> None:
+    """Read what has come of a pending request and, once it is whole, answer it; whatever goes wrong
+    drops this connection with one line, and the standby serves on."""
     try:
-        conn.settimeout(10)
+        if request.read():
+            del pending[request.conn]
+            _answer(request, listener, mine, served, pending, warmup, unusable)
+    except Exception as err:  # noqa: BLE001 - whatever a request does, the standby serves on
+        pending.pop(request.conn, None)
+        _drop(request, err if isinstance(err, ValueError) else f"{type(err).__name__}: {err}")
+
+
+def _accept(listener: socket.socket, pending: dict[socket.socket, wire.Pending]) -> None:
+    """Take a connection: a client of this uid is read from without waiting; anyone else is closed."""
+    try:
+        conn, _ = listener.accept()
+    except OSError as err:  # out of descriptors, say: the rank waits in the backlog (its handshake allows)
+        print(f"[resil] standby: cannot take a connection ({err.strerror})", flush=True)
+        return
+    try:
         pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-        if uid != os.getuid():
-            raise ValueError(f"uid {uid} is not the standby's")
-        request = _receive(conn, fds)
-        if request.get("ping"):
-            _send(conn, {"ready": True})
-            raise ValueError("ping")
-        why = "the rank is the standby's own worker" if pid in served else \
-            unusable or _mismatch(mine, request.get("fingerprint", {})) or warmup.refusal(request)
-        if why is not None:
-            _send(conn, {"refused": why})
-            raise ValueError(why)
-        if len(fds) != len(request["fds"]) or request["pid"] != pid:
-            raise ValueError("the request does not match its connection")
-        client_fd = os.pidfd_open(pid)  # before the fork: a client already gone gets no worker
-        sys.stdout.flush()
-        sys.stderr.flush()
-        worker = os.fork()
-        if worker == 0:
-            _become_worker(listener, conn, served, request, fds)  # never returns
-        served[worker] = _Served(conn, pid, client_fd, worker)
-        try:
-            _send(conn, {"pid": worker})
-        except OSError:  # the client will import for itself: it must not have a twin
-            _signal(worker, signal.SIGKILL)
-            served[worker].killed = True
-    except (OSError, ValueError, KeyError, TypeError):
+        request = wire.Pending(conn, pid)
+    except OSError as err:
+        print(f"[resil] standby: dropped a connection: {err.strerror}", flush=True)
         conn.close()
-    finally:
-        for fd in fds:
-            os.close(fd)
+        return
+    if uid != os.geteuid():
+        _drop(request, f"uid {uid} is not the standby's ({os.geteuid()}): nothing read")
+    elif len(pending) >= _MAX_PENDING:
+        _drop(request, f"{_MAX_PENDING} requests are being read already")
+    else:
+        pending[conn] = request
+
+
+def _drop(request: wire.Pending, why: object) -> None:
+    print(f"[resil] standby: dropped a connection from pid {request.pid}: {str(why)[:300]}", flush=True)
+    request.close()
+
+
+def _answer(request: wire.Pending, listener: socket.socket, mine: dict, served: dict[int, _Served],
+            pending: dict[socket.socket, wire.Pending], warmup, unusable: str | None) -> None:
+    """A whole request: a ping's answer, a refusal, or a worker forked for the client (which answers it
+    itself: _become_worker). Raises ValueError for a request that is not one."""
+    conn, pid, fds = request.conn, request.pid, request.fds
+    message = request.message()
+    why = wire.invalid(message, len(fds))
+    if why is not None:
+        raise ValueError(f"not a request: {why}")
+    conn.settimeout(1.0)  # what the standby sends are a few bytes: never a wait, unless the client is gone
+    if "ping" in message:
+        wire.send(conn, {"ready": True})
+        request.close()
+        return
+    if message["pid"] != pid:
+        raise ValueError(f"it names pid {message['pid']}, not its connection's")
+    why = "the rank is the standby's own worker" if pid in served else \
+        unusable or _mismatch(mine, message["fingerprint"]) or warmup.refusal(message)
+    if why is not None:
+        wire.send(conn, {"refused": why})
+        request.close()
+        return
+    client_fd = os.pidfd_open(pid)  # before the fork: a client already gone gets no worker
+    sys.stdout.flush()
+    sys.stderr.flush()
+    worker = os.fork()
+    if worker == 0:
+        _become_worker(listener, conn, served, pending, message, fds)  # never returns
+    try:
+        served[worker] = _Served(conn, pid, client_fd, worker)
+    except BaseException:
+        _signal(worker, signal.SIGKILL)
+        os.close(client_fd)
+        raise
+    for fd in fds:
+        os.close(fd)
+    request.fds = []
 
 
 def _mismatch(mine: dict, theirs: dict) -> str | None:
@@ -386,7 +481,7 @@ def _mismatch(mine: dict, theirs: dict) -> str | None:
                 ours = ours[at] if at < len(ours) else "(none)"
                 its = its[at] if at < len(its) else "(none)"
                 key = f"{key} (entry {at})"
-            return f"it was started with another {key}: {ours!r}, this rank's: {its!r}"
+            return f"it was started with another {key}: {wire.short(ours)}, this rank's: {wire.short(its)}"
     return None
 
 
@@ -402,7 +497,7 @@ def _tend(served: dict[int, _Served]) -> None:
             if end.get("signal") == signal.SIGKILL:  # at once, stopped or not (a rank monitor's kill)
                 _signal(s.client, signal.SIGKILL)
             try:
-                _send(s.conn, end)
+                wire.send(s.conn, end)
             except OSError:
                 pass
             s.close()
@@ -435,17 +530,46 @@ def _signal(pid: int, signum: int) -> None:
         pass
 
 
-def _become_worker(listener, conn, served, request: dict, fds: list[int]) -> None:
-    """In the fork: become the client's rank, then run pretrain.py as its __main__. Never returns."""
+def _become_worker(listener, conn, served, pending, request: dict, fds: list[int]) -> None:
+    """In the fork: take the client's settings and say so, or refuse it; once the client has checked
+    this process and said go, become its rank and run pretrain.py as its __main__. Never returns."""
+    go = False
+    try:
+        listener.close()
+        for s in served.values():
+            s.close()
+        for other in pending.values():
+            other.close()
+        os.setsid()  # as torchrun starts a rank: a session of its own
+        _die_with_parent()
+        conn.settimeout(_HANDSHAKE_SECS)
+        refused = standby_settings.take(request)
+        if refused is not None:
+            print(f"[resil] standby: refused pid {request['pid']}: {refused}", flush=True)
+            wire.send(conn, {"refused": refused})
+        else:
+            wire.send(conn, {"pid": os.getpid()})
+            go = wire.receive(conn) == {"go": True}
+        conn.close()
+    except (OSError, ValueError):  # the client is gone or did not answer: it imports for itself
+        go = False
+    except BaseException:  # noqa: BLE001 - a bug: Python's report, in the standby's output; nothing runs
+        import traceback
+
+        traceback.print_exc()
+        go = False
+    finally:
+        if not go:
+            os._exit(0)
+    _run_as_rank(request, fds)
+
+
+def _run_as_rank(request: dict, fds: list[int]) -> None:
+    """The worker, let go by its client: its descriptors, directory, environment and streams, then
+    pretrain.py as __main__; exit as it ends. Never returns."""
     global _client
     code = 1
     try:
-        listener.close()
-        conn.close()
-        for s in served.values():
-            s.close()
-        os.setsid()  # as torchrun starts a rank: a session of its own
-        _die_with_parent()
         for target, fd in zip(request["fds"], fds, strict=True):
             os.dup2(fd, target)
         for fd in set(fds) - {0, 1, 2}:
@@ -457,13 +581,13 @@ def _become_worker(listener, conn, served, request: dict, fds: list[int]) -> Non
         for sig in FORWARDED + (signal.SIGTERM,):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        _set_streams(request.get("streams") or {})
+        _set_streams(request["streams"])
         sys.argv[:] = request["argv"]
         sys.path[:] = request["path"]
-        _client = int(request["pid"])
+        _client = request["pid"]
         from megatron_resil import restart_phases
 
-        restart_phases.adopt_process_marks(request.get("marks") or {})
+        restart_phases.adopt_process_marks(request["marks"])
         import runpy
 
         runpy.run_path(sys.argv[0], run_name="__main__")
@@ -489,27 +613,31 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def ping(name: str) -> bool:
-    """Whether the standby `name` answers (for scripts and tests that start one and wait for it)."""
+def ping(value: str) -> bool:
+    """Whether the standby `value` (NAME@PID or NAME, as in MEGATRON_RESIL_STANDBY) answers, checked as a
+    rank checks it (for scripts and tests that start one and wait for it)."""
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(_HANDSHAKE_SECS)  # it may still be importing
-            sock.connect(_address(name))
-            _send(sock, {"ping": True})
-            return bool(_receive(sock).get("ready"))
-    except (OSError, ValueError):
+        sock, _pid = _connect(value)  # it may still be importing: the handshake's timeout allows for that
+    except _NotUsed:
         return False
+    with sock:
+        try:
+            wire.send(sock, {"ping": True})
+            reply = wire.receive(sock)
+        except (OSError, ValueError):
+            return False
+    return isinstance(reply, dict) and reply.get("ready") is True
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = argv[argv.index("--") + 1:] if "--" in argv else []
     parser = argparse.ArgumentParser(prog="python -m megatron_resil.standby", description=(
-        "Import torch once and fork each rank started with MEGATRON_RESIL_STANDBY=NAME from it "
-        "(docs/standby.md). It ends after its parent, once its ranks have. With `-- LAUNCHER ARGS...`: "
-        "start the standby, then run the launcher in this process with MEGATRON_RESIL_STANDBY set; the "
-        "standby ends after it."))
-    parser.add_argument("--name", help=f"the name ranks find it by (default: ${ENV}; with a launcher: "
+        "Import torch once and fork each rank started with MEGATRON_RESIL_STANDBY=NAME@PID from it "
+        "(docs/standby.md; it prints that value when it is ready). It ends after its parent, once its "
+        "ranks have. With `-- LAUNCHER ARGS...`: start the standby, then run the launcher in this process "
+        "with MEGATRON_RESIL_STANDBY set; the standby ends after it."))
+    parser.add_argument("--name", help=f"the name ranks find it by (default: ${ENV}'s; with a launcher: "
                                        "'launcher'; this process's pid is added, so each launcher on a host "
                                        "has its own)")
     ahead = parser.add_mutually_exclusive_group()
@@ -526,9 +654,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("name the launcher to run after --")
     if command:
         return _serve_then_run(f"{args.name or 'launcher'}-{os.getpid()}", command, bool(args.torch_only))
-    args.name = args.name or os.environ.get(ENV)
+    args.name = args.name or os.environ.get(ENV, "").partition("@")[0]
     if not args.name:
         parser.error(f"--name is required (or set {ENV})")
+    if "@" in args.name:
+        parser.error(f"--name {args.name!r}: a name has no '@' ({ENV}=NAME@PID adds the standby's pid)")
     serve(args.name, ready_fd=args.ready_fd, torch_only=args.torch_only is not False)
     return 0
 
@@ -554,15 +684,16 @@ def _serve_then_run(name: str, command: list[str], torch_only: bool = False) -> 
     bound (its imports go on beside the launcher's start-up; ranks that come before they end wait for
     them), then become the launcher (exec): the standby's parent is then the launcher."""
     ready_r, ready_w = os.pipe()
-    subprocess.Popen([sys.executable, "-m", "megatron_resil.standby", "--name", name,
-                      "--torch-only" if torch_only else "--import-megatron-core", "--ready-fd", str(ready_w)],
-                     pass_fds=(ready_w,), env=ranks_environment(command))
+    standby = subprocess.Popen([sys.executable, "-m", "megatron_resil.standby", "--name", name,
+                                "--torch-only" if torch_only else "--import-megatron-core",
+                                "--ready-fd", str(ready_w)],
+                               pass_fds=(ready_w,), env=ranks_environment(command))
     os.close(ready_w)
     with os.fdopen(ready_r, "rb") as ready:
         started = ready.read(1) == b"1"  # EOF without it: the standby could not bind (its line says why)
     env = dict(os.environ)
     if started:
-        env[ENV] = name
+        env[ENV] = f"{name}@{standby.pid}"  # the ranks check that the name's holder is this process
     else:
         env.pop(ENV, None)
         print("[resil] standby: not started; the ranks import torch themselves", file=sys.stderr, flush=True)

@@ -26,6 +26,9 @@ SECONDS_PER_FILE = {  # seconds per file, three at a time on a quiet machine, 20
     "test_safe_load.py": 21, "test_restart_phases.py": 15, "test_straggler.py": 14,
     "test_failing_fs_steps.py": 14, "test_data.py": 12, "test_gpu_path.py": 9, "test_zarr_strategy.py": 8,
     "test_real_data.py": 8, "test_install.py": 7,
+    # The second lane only (Muon is there): its four resumes, estimated from a loaded run (590 s at a load
+    # average of about 10 on 2 cores, 2026-11-28); the first lane skips them at once.
+    "test_muon.py": 170,
 }
 
 
@@ -39,7 +42,10 @@ def pytest_collection_modifyitems(session, config, items):
 # the tests start hands itself to it: about half of a 2-rank launch's CPU is each rank importing torch, on
 # 2 cores that is the suite's time. Ranks that cannot use it (another interpreter, PYTHONPATH or
 # import-time environment, --inprocess-restart) say so and import for themselves.
-# MEGATRON_RESIL_TEST_STANDBY=0 runs the suite without it, every rank importing for itself.
+# MEGATRON_RESIL_TEST_STANDBY=0 runs the suite without it, every rank importing for itself. Users' ranks
+# start cold unless they ask for a standby, so the cold tier (tests marked `cold`: a resume after a rank
+# is killed, a signal during a save) always runs that way; the Slurm tests start a standby inside the job,
+# or none (tests/test_slurm.py).
 
 import os  # noqa: E402
 import subprocess  # noqa: E402
@@ -65,16 +71,28 @@ def _standby(tmp_path_factory):
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "megatron_resil.standby", "--name", name], env=env(),
                                 cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    value = f"{name}@{proc.pid}"  # as a launcher's standby is named: the ranks check who holds the name
     deadline = time.monotonic() + 120
-    while not standby.ping(name):
+    while not standby.ping(value):
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             pytest.exit(f"the tests' standby did not start: {log.read_text()[-2000:]}", returncode=1)
         time.sleep(0.1)
-    os.environ[standby.ENV] = name
+    os.environ[standby.ENV] = value
     try:
-        yield name
+        yield value
     finally:
         os.environ.pop(standby.ENV, None)
-        proc.terminate()
-        proc.wait(timeout=30)
+        proc.terminate()  # it ends once its ranks have: a test's leftover rank must not hold the session
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(autouse=True)
+def _cold_tier(request, monkeypatch):
+    """A test marked `cold` starts its ranks without the tests' standby."""
+    if request.node.get_closest_marker("cold") is not None:
+        monkeypatch.delenv("MEGATRON_RESIL_STANDBY", raising=False)

@@ -56,12 +56,12 @@ def start(args: list[str], nproc: int = 2, log_path: Path | None = None) -> subp
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def standby_pid() -> int | None:
-    """The pid of the tests' standby of this test process (tests/conftest.py), None without one: the
-    ranks it forks, and what they start, descend from it, not from their launcher."""
-    name = os.environ.get("MEGATRON_RESIL_STANDBY")
-    found = processes_named(name) if name else []
-    return found[0] if found else None
+def standby_pid(value: str | None = None) -> int | None:
+    """The pid of the standby `value` names (NAME@PID; by default the tests' standby of this test process,
+    tests/conftest.py), None without one: the ranks it forks, and what they start, descend from it, not
+    from their launcher."""
+    value = os.environ.get("MEGATRON_RESIL_STANDBY") if value is None else value
+    return int(value.rpartition("@")[2]) if value and "@" in value else None
 
 
 def processes_named(standby: str) -> list[int]:
@@ -101,24 +101,56 @@ def alive(pid: int) -> bool:
     return fields is not None and fields[0] not in ("Z", "X")
 
 
-def ckpt_tool(*args) -> subprocess.CompletedProcess:
+def ckpt_tool(*args, encoding: str | None = None) -> subprocess.CompletedProcess:
     """`python -m megatron_resil.tools.ckpt ARGS`, its main() run in this process (a process of its own
     costs seconds of imports; tests/test_install.py and tests/test_untrusted_checkpoint.py start the
-    tool as users do). Returns its exit code and what it printed, as subprocess.run would."""
+    tool as users do). Returns its exit code and what it printed, as subprocess.run would. `encoding`: its
+    stdout encodes strictly in that encoding, as under `PYTHONIOENCODING=<encoding>:strict`."""
     import contextlib
     import io
 
     from megatron_resil.tools import ckpt
 
     argv = [str(a) for a in args]
-    out, err = io.StringIO(), io.StringIO()
+    raw = io.BytesIO()
+    out = io.StringIO() if encoding is None else io.TextIOWrapper(raw, encoding=encoding, errors="strict")
+    err = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             code = ckpt.main(argv)
         except SystemExit as stop:  # argparse's exit 2 for bad arguments
             code = stop.code if isinstance(stop.code, int) else 1
-    return subprocess.CompletedProcess(["megatron_resil.tools.ckpt", *argv], code, out.getvalue(),
-                                       err.getvalue())
+    out.flush()
+    printed = out.getvalue() if encoding is None else raw.getvalue().decode(encoding)
+    return subprocess.CompletedProcess(["megatron_resil.tools.ckpt", *argv], code, printed, err.getvalue())
+
+
+# Run in a process of its own by ckpt_tool_measured: the tool's main() after its imports, then how far its
+# peak resident memory (VmHWM) rose above what the imports took.
+_MEASURED_TOOL = """
+import sys
+from megatron_resil import patches
+patches.install_import_speedups()
+from megatron_resil.tools import ckpt, ckpt_commands
+def peak_kib():
+    with open("/proc/self/status") as status:
+        return int(next(line for line in status if line.startswith("VmHWM:")).split()[1])
+before = peak_kib()
+code = ckpt.main(sys.argv[1:])
+print(f"peak memory grew by {peak_kib() - before} KiB", file=sys.stderr)
+sys.exit(code)
+"""
+
+
+def ckpt_tool_measured(*args, timeout: float = 300) -> tuple[subprocess.CompletedProcess, int]:
+    """The checkpoint tool with ARGS in a fresh process, and by how many KiB its peak resident memory grew
+    while the command ran (past its imports): what reading the checkpoint cost, in a process where nothing
+    else ran before."""
+    done = subprocess.run([sys.executable, "-c", _MEASURED_TOOL, *[str(a) for a in args]], env=env(),
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    grew = re.search(r"peak memory grew by (\d+) KiB", done.stderr)
+    assert grew is not None, done.stdout + done.stderr
+    return done, int(grew.group(1))
 
 
 def run_single(args: list[str], timeout: float = 60) -> subprocess.CompletedProcess:

@@ -200,6 +200,16 @@ BAD = {c.id: c for c in [
     Case("ep-does-not-divide-ranks", set_={"--num-experts": "4", "--expert-model-parallel-size": "4"},
          extra=("--disable-bias-linear",), world_size=2, names=("--expert-model-parallel-size 4",)),
     Case("moe-with-bias", set_={"--num-experts": "4"}, names=("--num-experts", "--disable-bias-linear")),
+    # Sizes of zero (a ZeroDivisionError traceback before) or beyond any model, and a layer pattern that
+    # Megatron-LM's eval would take to an OverflowError: refused before anything divides or allocates.
+    Case("zero-query-groups", set_={"--num-query-groups": "0"}, extra=("--group-query-attention",),
+         names=("--num-query-groups 0", "must be positive")),
+    Case("zero-kv-channels", set_={"--kv-channels": "0"}, names=("--kv-channels 0", "must be positive")),
+    Case("zero-moe-router-topk", set_={"--moe-router-topk": "0"}, names=("--moe-router-topk 0",)),
+    Case("hidden-size-beyond-any-model", set_={"--hidden-size": str(1 << 21)},
+         names=(f"--hidden-size {1 << 21}", "more than any model has")),
+    Case("moe-layer-freq-power", set_={"--moe-layer-freq": "[0]*99**99"},
+         names=("--moe-layer-freq", "a power")),
     Case("moe-topk-above-experts", set_={"--num-experts": "2", "--moe-router-topk": "3"},
          extra=("--disable-bias-linear",), names=("--moe-router-topk 3", "--num-experts 2")),
     Case("loss-scale-not-positive", set_={"--loss-scale": "0"}, extra=("--fp16",), names=("--loss-scale",)),
@@ -420,3 +430,15 @@ def test_context_parallel_needs_a_sequence_that_splits_into_twice_as_many_chunks
         distributed._validate_sequence_and_context(args)
     args.seq_length = 32
     distributed._validate_sequence_and_context(args)
+
+
+def test_every_flag_of_pretrain_is_a_row_of_one_table() -> None:
+    """One way to declare a flag: every option pretrain.py takes is a flag_table.Flag row of its concern's
+    FLAGS (the parser's own --help and --check-args-only aside), so the same rows build the parser and
+    feed the start-up checks."""
+    from megatron_resil.arguments import FLAGS, build_parser
+
+    rows = {flag.name for flag in FLAGS}
+    options = {option for action in build_parser()._actions for option in action.option_strings}
+    assert options - rows == {"-h", "--help", "--check-args-only"}
+    assert len(rows) == len(FLAGS)  # each flag once

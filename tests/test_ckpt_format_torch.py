@@ -238,6 +238,47 @@ def test_planted_pickle_in_distrib_optim_is_refused_by_the_checkpoint_tool(dp2_j
     assert not (root / "PWNED").exists()
 
 
+# ---- what a rank reads into memory ---------------------------------------------------------------------
+
+@pytest.fixture
+def one_rank_model_parallel(tmp_path):
+    """torch.distributed and megatron-core's model-parallel groups for this process alone, as a rank has them
+    when the loader verifies."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        parallel_state.initialize_model_parallel()
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def test_a_rank_file_larger_than_this_models_state_can_be_is_passed_over_unread(tmp_path,
+                                                                              one_rank_model_parallel):
+    """model_optim_rng.pt is read whole into memory: before, one of any size was (a sparse terabyte too).
+    A run reads none larger than its model's parameters and optimizer state can fill; a larger one is
+    passed over, not quarantined: it may be a good checkpoint of a larger model."""
+    from megatron_resil.checkpointing import state
+    from megatron_resil.checkpointing.global_tier import GlobalTier
+    from megatron_resil.checkpointing.tier import NotForThisRun, TierCandidate
+
+    model = [torch.nn.Linear(64, 64)]  # 4,160 parameters
+    assert state.max_rank_bytes(model) == 4160 * 32 + (256 << 20)
+    tier = GlobalTier(str(tmp_path / "ckpt"))
+    tier.max_rank_bytes = state.max_rank_bytes(model)
+    file = tmp_path / "ckpt" / "iter_0000004" / "mp_rank_00" / torch_format.MODEL_FILE
+    file.parent.mkdir(parents=True)
+    with open(file, "wb") as f:
+        f.truncate(tier.max_rank_bytes + 1)  # sparse: a file system holds such a file for nothing
+    reason = tier.verify(TierCandidate("persistent", 4, str(file.parent.parent)))
+    assert isinstance(reason, NotForThisRun), reason
+    said = f"mp_rank_00/{torch_format.MODEL_FILE} has {tier.max_rank_bytes + 1} bytes, more than this run's"
+    assert f"{said} model and optimizer state can take" in reason, reason
+
+
 # ---- arguments -----------------------------------------------------------------------------------------
 
 def test_megatron_lms_overlap_optimizer_config_is_accepted_with_the_torch_format(tmp_path):

@@ -74,6 +74,7 @@ def test_sigterm_twice_during_evaluation_saves_that_iteration_and_the_loss_curve
     assert [got[i] for i in (4, 5, 6)] == [expected[i] for i in (4, 5, 6)]
 
 
+@pytest.mark.cold
 def test_sigterm_during_a_save_lets_that_save_finish(tmp_path):
     root, log = tmp_path / "ckpt", tmp_path / "run.log"
     proc = launch.start(_args(root, extra=["--save-interval", "3"]), log_path=log)
@@ -84,6 +85,8 @@ def test_sigterm_during_a_save_lets_that_save_finish(tmp_path):
     assert "exiting with code 5" in out, out[-3000:]
     _assert_only_complete_checkpoints(root)
     assert not layout.leftovers(str(root))["staging"]
+    events = [json.loads(line) for line in (root / "events.jsonl").read_text().splitlines()]
+    assert [e["details"]["standby"] for e in events if e["event"] == "restart_phases"] == [False]  # cold tier
 
 
 def test_missed_grace_deadline_exits_6_and_keeps_the_previous_checkpoint(tmp_path):

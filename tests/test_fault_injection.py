@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from megatron_resil.checkpointing import layout
@@ -15,6 +17,7 @@ def _args(save, iters: int, *fault) -> list[str]:
             "--save", str(save), "--load", str(save), "--save-interval", "2", *fault]
 
 
+@pytest.mark.cold
 def test_killed_rank_restart_does_not_repeat_the_fault_and_completes(tmp_path):
     args = _args(tmp_path / "ckpt", 5, "--inject-fault", "kill", "--inject-fault-iteration", "3",
                  "--inject-fault-ranks", "1")
@@ -27,6 +30,13 @@ def test_killed_rank_restart_does_not_repeat_the_fault_and_completes(tmp_path):
     assert "injecting" not in restarted.stdout
     assert "at iteration 2" in restarted.stdout
     assert sorted(launch.losses(restarted.stdout)) == [3, 4, 5]
+    assert _forked(tmp_path / "ckpt") == [False, False]  # the cold tier: both runs imported for themselves
+
+
+def _forked(save) -> list[bool]:
+    """Whether each run's ranks were forked from a standby, from its restart-phases record."""
+    events = [json.loads(line) for line in (save / "events.jsonl").read_text().splitlines()]
+    return [e["details"]["standby"] for e in events if e["event"] == "restart_phases"]
 
 
 def test_crash_in_the_middle_of_a_save_publishes_nothing_and_the_restart_recovers(tmp_path):

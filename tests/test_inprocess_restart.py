@@ -157,9 +157,12 @@ def test_inprocess_restart_with_the_ft_package_is_rejected(tmp_path, capsys, mon
 
 
 def test_without_the_flag_nvrx_inprocess_is_never_imported():
-    # A fresh interpreter: pretrain.py's path without --inprocess-restart, all of training imported.
-    probe = ("import sys; sys.argv = ['pretrain.py']; import pretrain; from megatron_resil import patches; "
-             "patches.install(); import megatron_resil.training; "
+    # A fresh interpreter: pretrain.py's path without --inprocess-restart (its arguments, the patches they
+    # ask for, as pretrain.py installs them), all of training imported.
+    argv = [*launch.TINY_MODEL, *launch.TINY_TRAINING, "--train-iters", "4"]
+    probe = (f"import sys; sys.argv = ['pretrain.py', *{argv!r}]; import pretrain; "
+             "from megatron_resil import patches; patches.install(pretrain.parse_args()); "
+             "import megatron_resil.training; "
              "print(sorted(m for m in sys.modules if m.startswith('nvidia_resiliency_ext.inprocess') "
              "or m == 'megatron_resil.inprocess_restart'))")
     result = subprocess.run([sys.executable, "-c", probe], cwd=launch.REPO, env=launch.env(),

@@ -379,6 +379,38 @@ def test_moe_layer_freq_takes_megatrons_pattern_expressions(capsys):
     assert "lists 3 layers, not --num-layers 2" in line
 
 
+# Every form of --moe-layer-freq in Megatron-LM's functional-test configs and example scripts, with the
+# layers it makes (the config's --num-layers).
+MEGATRON_LM_LAYER_PATTERNS = {
+    "([0]*3+[1]*11)": [0] * 3 + [1] * 11, "([0]*1+[1]*15)": [0] + [1] * 15,
+    "([0]*4+[1]*9)": [0] * 4 + [1] * 9, "([0]*3+[1]*12)": [0] * 3 + [1] * 12, "([0]*1+[1]*1)": [0, 1],
+    "([0]*3+[1]*13)": [0] * 3 + [1] * 13,
+    "([0]*3+[1]*5)": [0] * 3 + [1] * 5, "[0]*3+[1]*58": [0] * 3 + [1] * 58, "([0]+[1]*26)": [0] + [1] * 26,
+    "([0,1]*24)": [0, 1] * 24, "[0]*1+[1]*60": [0] + [1] * 60, "[1, 0, 1]": [1, 0, 1],
+    "([1]*3+[0]*2)*2": [1, 1, 1, 0, 0] * 2, "1": 1, "3": 3,
+}
+
+
+def test_moe_layer_freq_is_read_by_a_grammar_never_evaluated(capsys):
+    """Megatron-LM evaluates the text; here every form its configs use reads as there, and what is no list
+    of layers, or more layers than any model has, is refused in one line before anything is built."""
+    from megatron_resil.arguments import build_parser
+    from megatron_resil.arguments.layer_pattern import MAX_LAYERS
+
+    parser = build_parser()
+    for text, layers in MEGATRON_LM_LAYER_PATTERNS.items():
+        assert parser.parse_args([*_base(), "--moe-layer-freq", text]).moe_layer_freq == layers, text
+    for text, why in (("[0]*99**99", "a power"), ("9**9**9", "N, or a list expression"),
+                      ("[0]*1000000000", "1000000000 is not between 1 and"),
+                      (f"[0]*{MAX_LAYERS}+[1]", f"it makes {MAX_LAYERS + 1} layers, more than any model has"),
+                      ("(" * 100 + "[1]" + ")" * 100, "nested more than"),
+                      ("[2]*4", "a list holds 0 (dense) and 1 only"),
+                      ("0", "0 is not between 1 and")):
+        line = _refused(_base("--moe-layer-freq", text), capsys)
+        assert line.startswith("pretrain.py: error: argument --moe-layer-freq: invalid moe layer pattern "
+                               "value:") and why in line, line
+
+
 def test_a_flag_the_installed_megatron_core_lacks_is_refused(monkeypatch, capsys):
     monkeypatch.setattr(flag_table, "config_fields", lambda config: frozenset())
     line = _refused(_base("--rotary-interleaved"), capsys)
@@ -436,19 +468,41 @@ def test_lr_warmup_fraction_is_a_fraction_of_the_decay_as_in_megatron():
     assert scheduler.lr_warmup_steps == 0.25 * args.lr_decay_iters * args.global_batch_size
 
 
+TINY_CONFIG = ("  --num-layers: 2\n  --hidden-size: 64\n  --num-attention-heads: 4\n  --seq-length: 32\n"
+               "  --max-position-embeddings: 32\n  --micro-batch-size: 1\n  --train-iters: 4\n  --lr: 1e-3\n"
+               "  --mock-data: true\n  --tokenizer-type: NullTokenizer\n  --vocab-size: 128\n")
+
+
 def test_coverage_script_reads_a_snapshot_and_counts_accepted_configs(tmp_path):
-    """benchmarks/megatron_flag_coverage.py on a two-config Megatron-LM tree: one accepted, one refused."""
+    """benchmarks/megatron_flag_coverage.py on a small Megatron-LM tree: a config counts as accepted whole
+    only through every start-up check up to its model (built on the meta device), with its ENV_VARS, at the
+    world size of the CI recipe that lists it, and with no flag ignored."""
     tree = tmp_path / "Megatron-LM"
     cases = tree / "tests/functional_tests/test_cases"
-    (cases / "gpt/tiny_ok").mkdir(parents=True)
-    (cases / "gpt/tiny_ok/model_config.yaml").write_text(
-        "MODEL_ARGS:\n  --num-layers: 2\n  --hidden-size: 64\n  --num-attention-heads: 4\n"
-        "  --seq-length: 32\n  --max-position-embeddings: 32\n  --micro-batch-size: 1\n  --train-iters: 4\n"
-        "  --lr: 1e-3\n  --mock-data: true\n  --tokenizer-type: NullTokenizer\n  --vocab-size: 128\n"
-        "  --log-params-norm: true\n  --sequence-parallel: true\n")
-    (cases / "moe/tiny_fsdp").mkdir(parents=True)
-    (cases / "moe/tiny_fsdp/model_config.yaml").write_text(
-        "MODEL_ARGS:\n  --num-layers: 2\n  --use-megatron-fsdp: true\n  --no-such-flag: 3\n")
+    configs = {
+        "gpt/tiny_ok": "MODEL_ARGS:\n" + TINY_CONFIG + "  --log-params-norm: true\n"
+                       "  --sequence-parallel: true\n",
+        "moe/tiny_fsdp": "MODEL_ARGS:\n  --num-layers: 2\n  --use-megatron-fsdp: true\n  --no-such-flag: 3\n",
+        # Refused by our checks only with its own environment.
+        "gpt/tiny_fsdp2_env": "ENV_VARS:\n  CUDA_DEVICE_MAX_CONNECTIONS: 1\nMODEL_ARGS:\n" + TINY_CONFIG
+                              + "  --use-torch-fsdp2: true\n  --untie-embeddings-and-output-weights: true\n"
+                                "  --no-gradient-accumulation-fusion: true\n",
+        # Its recipe runs it on 2 GPUs, which tensor parallelism 4 does not fit (it would at 4 or 8).
+        "gpt/tiny_tp4": "MODEL_ARGS:\n" + TINY_CONFIG + "  --tensor-model-parallel-size: 4\n",
+        # Parses; megatron-core's TransformerConfig refuses it.
+        "moe/tiny_router_groups": "MODEL_ARGS:\n" + TINY_CONFIG + "  --num-experts: 4\n"
+                                  "  --disable-bias-linear: true\n  --moe-router-num-groups: 3\n"
+                                  "  --moe-router-group-topk: 1\n",
+        # Runs only with a flag ignored (a GPU kernel, on this host): not accepted whole.
+        "gpt/tiny_kernel": "MODEL_ARGS:\n" + TINY_CONFIG + "  --cross-entropy-loss-fusion: true\n",
+    }
+    for name, text in configs.items():
+        (cases / name).mkdir(parents=True)
+        (cases / name / "model_config.yaml").write_text(text)
+    recipe = tree / "tests/test_utils/recipes/h100/gpt.yaml"
+    recipe.parent.mkdir(parents=True)
+    recipe.write_text("spec:\n  model: gpt\n  nodes: 1\n  gpus: 2\nproducts:\n  - test_case: [tiny_tp4]\n"
+                      "    products:\n      - environment: [dev]\n")
     (cases / "gpt/tiny_inference").mkdir(parents=True)
     (cases / "gpt/tiny_inference/model_config.yaml").write_text("MODE: inference\nMODEL_ARGS:\n  --x: 1\n")
     script = "torchrun --nproc_per_node 1 pretrain_gpt.py --num-layers 2 --hidden-size 64 " \
@@ -464,12 +518,23 @@ def test_coverage_script_reads_a_snapshot_and_counts_accepted_configs(tmp_path):
     assert result.returncode == 0, result.stderr
     import json
     summary = json.loads(report.read_text())
-    counts = (summary["configs"], summary["configs_accepted_whole"], summary["configs_all_flags_known"])
-    assert counts == (2, 1, 1)
-    flags = {row["flag"] for row in summary["refused_flags"]}
-    assert {"--no-such-flag", "--use-megatron-fsdp"} <= flags
+    counts = (summary["configs"], summary["configs_accepted_whole"], summary["configs_all_flags_known"],
+              summary["configs_accepted_whole_model_built"])
+    assert counts == (6, 1, 5, 1)
+    refused = summary["configs_refused"]
+    source = "tests/functional_tests/test_cases/"
+    assert {"--no-such-flag", "--use-megatron-fsdp"} <= set(refused[source + "moe/tiny_fsdp"])
+    assert refused[source + "gpt/tiny_fsdp2_env"] == ["--use-torch-fsdp2"]
+    reasons = {row["flag"]: row["first_reason"] for row in summary["refused_flags"]}
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" in reasons["--use-torch-fsdp2"]
+    assert refused[source + "gpt/tiny_tp4"] == ["--tensor-model-parallel-size"]
+    assert summary["world_size_of"][source + "gpt/tiny_tp4"] == [2, "tests/test_utils/recipes/h100/gpt.yaml"]
+    assert summary["world_size_of"][source + "gpt/tiny_ok"] == [8, "--world-size"]  # no recipe lists it
+    [groups] = refused[source + "moe/tiny_router_groups"]
+    assert groups.startswith("megatron-core") and "moe_router_num_groups" in groups
+    assert list(summary["configs_dropping_flags"]) == [source + "gpt/tiny_kernel"]
     assert all(v["accepted"] for v in summary["examples"].values())
-    assert "accepted whole: 1/2 = 50.0%" in result.stdout
+    assert "accepted whole: 1/6 = 16.7%" in result.stdout
 
 
 # --- training (slow) -------------------------------------------------------------------------------------

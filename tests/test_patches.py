@@ -92,9 +92,12 @@ _SNAPSHOT = """
 """
 
 
-def test_importing_megatron_resil_and_every_module_of_it_patches_nothing():
+def test_importing_megatron_resil_patches_nothing_and_what_it_builds_replaces_nothing():
+    """Only install() changes upstream code: importing every module changes no target, and the objects our
+    code builds from upstream classes (megatron-core's rerun state machine, NVRx's in-process Wrapper) hold
+    nothing of ours in place of their methods or their restart checks: those changes are records."""
     result = _python(textwrap.dedent(_SNAPSHOT) + textwrap.dedent("""
-        import pkgutil, megatron_resil
+        import json, pkgutil, megatron_resil
         for module in pkgutil.walk_packages(megatron_resil.__path__, "megatron_resil."):
             importlib.import_module(module.name)
         after_imports = snapshot()
@@ -103,11 +106,32 @@ def test_importing_megatron_resil_and_every_module_of_it_patches_nothing():
         after_install = snapshot()
         print("changed by imports:", sorted(k for k in before if before[k] != after_imports[k]))
         print("changed by install:", len([k for k in before if before[k] != after_install[k]]))
+
+        from megatron.core.rerun_state_machine import RerunStateMachine, get_rerun_state_machine
+        from megatron_resil import rerun
+        rerun.initialize(rerun.RerunConfig(mode="report_determinism_stats"))
+        machine = get_rerun_state_machine()
+        os.environ["LOCAL_RANK"] = "0"  # NVRx >= 0.5 chains its GPU checks for this rank's device
+        from nvidia_resiliency_ext import inprocess
+        from megatron_resil.patches import nvrx
+        chain = getattr(inprocess.Wrapper(), "restart_health_check", None)
+        checks = getattr(chain, "instances", [chain] if chain else [])
+        print("built:", json.dumps({
+            "machine's own methods": [name for name in vars(machine)
+                                      if callable(getattr(RerunStateMachine, name, None))],
+            "restart checks": [type(check).__name__ for check in checks],
+            "left out": list(nvrx.gpu_health_checks_left_out()),
+            "NVRx's GPU checks": [name for name in nvrx.GPU_HEALTH_CHECKS
+                                  if hasattr(inprocess.health_check, name)]}))
     """))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "changed by imports: []" in result.stdout
     changed = int(result.stdout.split("changed by install:")[1].split()[0])
     assert changed >= 10  # the snapshot sees patches: install() changes what imports left alone
+    built = json.loads(result.stdout.split("built:")[1].splitlines()[0])
+    assert built["machine's own methods"] == []
+    # On a host without CUDA, NVRx's GPU checks are not in the chain run before a restart (0.4.1 has none).
+    assert built["restart checks"] == [] and built["left out"] == built["NVRx's GPU checks"], built
 
 
 _RENAME_ON_IMPORT = """

@@ -1,6 +1,7 @@
 """Where a restart's time goes: a rank killed under ft_launcher, the restarted ranks' way from the fault to
-their first iteration split into phases that are all measured and add up to it; and the pieces that
-measure them (a process's creation time, ft_launcher's own log lines, merged phases) on their own."""
+their first iteration split into phases that are all measured, every boundary between the fault and the
+moment this test saw that iteration by its own clocks; and the pieces that measure them (a process's
+creation time, ft_launcher's own log lines, merged phases) on their own."""
 
 from __future__ import annotations
 
@@ -82,18 +83,34 @@ def test_nvrx_07_lines_are_told_apart_by_host_and_slurm_task():
                      "rendezvous": pytest.approx(t0 + 1.7)}
 
 
-def test_a_boundary_not_measured_merges_its_phases_and_the_total_stays_whole():
+def test_a_boundary_not_measured_merges_its_phases_into_the_one_before():
     marks = dict(zip(restart_phases.BOUNDARIES, [100.0, None, None, 103.0, 106.0, 106.5, 107.0, 107.25, 108.0,
                                                  108.5, 109.0], strict=True))
     phases = restart_phases.phases_between(marks)
     assert phases["detection"] == 3.0 and phases["teardown"] is None and phases["spawn"] is None
     assert phases["imports"] == 3.0 and phases["first_iteration"] == 0.5
-    assert sum(v for v in phases.values() if v is not None) == pytest.approx(9.0)
     assert list(phases) == list(restart_phases.PHASES)
 
 
+def _watch(proc: subprocess.Popen, event_log, wanted: dict) -> dict[str, tuple[float, float]]:
+    """Until `proc` ends: when (time.time(), time.monotonic()) this test first saw, in the event log, a
+    record matching each of `wanted` (name -> predicate on a record)."""
+    seen: dict[str, tuple[float, float]] = {}
+    while True:
+        ended = proc.poll() is not None
+        now = (time.time(), time.monotonic())
+        records = [json.loads(line) for line in event_log.read_text().splitlines() if line.endswith("}")] \
+            if event_log.exists() else []
+        for name, matches in wanted.items():
+            if name not in seen and any(matches(r) for r in records):
+                seen[name] = now
+        if ended or len(seen) == len(wanted):
+            return seen
+        time.sleep(0.02)
+
+
 @pytest.mark.slow
-def test_a_killed_rank_restart_is_split_into_phases_that_add_up_to_the_fault_to_first_iteration(tmp_path):
+def test_a_killed_rank_restart_is_split_into_phases_within_what_this_test_saw_of_it(tmp_path):
     """Rank 0 kills itself before iteration 3 under ft_launcher (its launcher log in a file, as Slurm and
     the drill keep it); the launcher restarts both ranks, which resume from iteration 2."""
     save, log = tmp_path / "ckpt", tmp_path / "launcher.log"
@@ -101,6 +118,10 @@ def test_a_killed_rank_restart_is_split_into_phases_that_add_up_to_the_fault_to_
             "--load", str(save), "--save-interval", "2", "--inject-fault", "kill", "--inject-fault-iteration",
             "3", "--inject-fault-ranks", "0"]
     proc = launch.start_ft(args, log, max_restarts=1)
+    # This test's own clocks: when it saw the fault's record, and iteration 3's after the restart.
+    seen = _watch(proc, save / "events.jsonl", {
+        "fault": lambda r: r["event"] == "fault_injected",
+        "third": lambda r: r["event"] == "progress" and r.get("iteration") == 3})
     assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
     events = [json.loads(line) for line in (save / "events.jsonl").read_text().splitlines()]
     start_up, restart = [e for e in events if e["event"] == restart_phases.EVENT]
@@ -113,14 +134,20 @@ def test_a_killed_rank_restart_is_split_into_phases_that_add_up_to_the_fault_to_
     assert all(isinstance(secs, float) and secs >= 0 for secs in phases.values()), phases  # all measured
     marks = restart["marks"]
     assert marks["start"] < marks["decision"] < marks["spawned"]  # the launcher's own lines, not clamped
-    assert sum(phases.values()) == pytest.approx(restart["seconds"], abs=0.006)
-    assert restart["seconds"] == pytest.approx(marks["first_iteration"] - marks["start"], abs=0.002)
-    # And against the run's other records: from the fault's own event to iteration 3's progress record.
+    # Against the run's other records: from the fault's own event to iteration 3's progress record.
     fault = next(e for e in events if e["event"] == "fault_injected")
     third = next(e for e in events if e["event"] == "progress" and e["iteration"] == 3)
     assert restart["start_source"] == "a fault_injected event (kill)"
     assert marks["start"] == pytest.approx(fault["unix"], abs=0.002)
     assert third["unix"] - fault["unix"] == pytest.approx(restart["seconds"], abs=0.5)
+    # Against this test's clocks: every boundary lies between the fault and the moment this test saw
+    # iteration 3 (a boundary from a wrong clock, a misread launcher line or /proc, falls outside), and the
+    # restart lasted no longer than this test's monotonic clock saw it last, from the fault's record to
+    # iteration 3's (plus the fault record's way into the file, measured when it was seen).
+    (fault_seen, fault_seen_mono), (third_seen, third_seen_mono) = seen["fault"], seen["third"]
+    assert fault["unix"] <= fault_seen and third["unix"] <= third_seen
+    assert all(fault["unix"] - 0.002 <= marks[b] <= third_seen for b in restart_phases.BOUNDARIES), marks
+    assert restart["seconds"] <= (third_seen_mono - fault_seen_mono) + (fault_seen - fault["unix"]) + 0.05
     said = f"in-job restart took {restart['seconds']:.1f} s to its first iteration: detection"
     assert said in log.read_text()
 

@@ -68,10 +68,10 @@ def _plant_in_byte_item(ckpt: Path, marker: Path, fqn_prefix: str = "rng_state")
     return stored.relative_path
 
 
-def replace_byte_item(ckpt: Path, chosen, value):
-    """Replaces the first byte item whose fqn `chosen` accepts with torch.save(value), shifts the items
-    behind it, and rewrites .metadata to match (an attacker controls every byte). Returns its
-    (MetadataIndex, old _StorageInfo)."""
+def replace_byte_item(ckpt: Path, chosen, value, serialized=bytes):
+    """Replaces the first item (a byte item, or a tensor's) whose fqn `chosen` accepts with
+    `serialized`(torch.save(value)), shifts the items behind it, and rewrites .metadata to match (an
+    attacker controls every byte). Returns its (MetadataIndex, old _StorageInfo)."""
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     metadata = _metadata(ckpt)
@@ -80,7 +80,7 @@ def replace_byte_item(ckpt: Path, chosen, value):
     torch.save(value, planted)
     file = ckpt / stored.relative_path
     data = file.read_bytes()
-    new = planted.getvalue()
+    new = serialized(planted.getvalue())
     file.write_bytes(data[:stored.offset] + new + data[stored.offset + stored.length:])
     shift = len(new) - stored.length
     for other, info in list(metadata.storage_data.items()):

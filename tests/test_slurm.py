@@ -10,10 +10,17 @@ through Slurm; `scancel` lets the ranks save and the job stays CANCELLED; bad ar
 to load (3) end the job without a requeue, as does a project root or Python that cannot run; under
 --enable-ft-package a frozen rank is caught by ft_launcher inside the job and the job still finishes; on
 two "nodes" (two slurmd on this host) srun starts one launcher per node and they meet on the first node.
+
+The jobs run as users run them (issue 35): the jobs whose ranks Slurm signals, requeues, cancels or whose
+frozen rank ft_launcher restarts have a standby inside the job step (`RESIL_STANDBY=1`, each node's
+launcher starting its own, so Slurm holds it and its forks); the others run cold, as by default. None
+uses the standby the tests start outside the job (tests/conftest.py), though their environment names it,
+as a user's shell may: the script does not pass it on.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -24,6 +31,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_resil import standby
 from megatron_resil.tools import local_slurm
 from tests import launch
 
@@ -72,6 +80,8 @@ def _queue(env) -> str:
 
 
 def _job_env(slurm_env: dict[str, str], **extra: str) -> dict[str, str]:
+    """The job's environment: cold unless `RESIL_STANDBY` is among `extra` (a standby in the job step).
+    It names the tests' standby, as a user's shell may name one: the script does not pass it on."""
     return {**launch.env(), "SLURM_CONF": slurm_env["SLURM_CONF"], "NPROC_PER_NODE": "2",
             "RESIL_PYTHON": sys.executable, "MAX_RESTARTS": "0", **extra}
 
@@ -161,6 +171,7 @@ def test_two_jobs_on_one_node_each_train_to_completion_with_their_own_rendezvous
         assert ended == ("COMPLETED", "0:0", "0"), _story(text)
         assert "stop 0: training finished at iteration 20" in text
         assert sorted(launch.losses(text)) == list(range(1, 21))
+        _assert_cold(text, tmp_path / name)
         ports.add(re.search(r"rendezvous on \S+:(\d+)", text).group(1))
         assert (tmp_path / name / "latest_checkpointed_iteration.txt").read_text().strip() == "20"
     assert len(ports) == 2, ports  # a shared port made the second job join the first one's store
@@ -172,7 +183,8 @@ def test_time_limit_saves_the_iteration_reached_requeues_and_resumes_from_it(slu
     # puts the warning (300 s before the limit) in the past: Slurm sends it at its next time-limit check,
     # at most 30 s on, while the run has more than 39 s of its 400 iterations left. A short --time from
     # the start would signal at the first check after the start: in set-up, on a slow day.
-    job = _submit(slurm, out, _args(save, 400, *SLOW), ("--time=10", "--signal=B:TERM@300"))
+    job = _submit(slurm, out, _args(save, 400, *SLOW), ("--time=10", "--signal=B:TERM@300"),
+                  RESIL_STANDBY="1")
     _wait_for_line(out, r"iteration\s+1/")
     subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=5"], env=slurm, check=True)
     _wait_for_line(out, r"SIGTERM: forwarding to the job step's launchers", timeout=90)
@@ -185,12 +197,13 @@ def test_time_limit_saves_the_iteration_reached_requeues_and_resumes_from_it(slu
     assert "forcing job termination" not in text  # srun's answer to a SIGTERM: the ranks were killed
     assert "requeueing job" in text and "(Slurm shows it RUNNING)" in text
     _assert_resumed_where_it_saved(text, 400)
+    _assert_forked_in_the_job(text, save, attempts=2)
 
 
 @pytest.mark.compat
 def test_scontrol_requeue_mid_run_saves_and_resumes_once(slurm, tmp_path):
     out, save = tmp_path / "job.out", tmp_path / "ckpt"
-    job = _submit(slurm, out, _args(save, 150, *SLOW))
+    job = _submit(slurm, out, _args(save, 150, *SLOW), RESIL_STANDBY="1")
     _wait_for_line(out, r"iteration\s+10/")
     subprocess.run(["scontrol", "requeue", job], env=slurm, check=True)
     info = _wait_ended(slurm, job, out)
@@ -199,11 +212,12 @@ def test_scontrol_requeue_mid_run_saves_and_resumes_once(slurm, tmp_path):
     # Slurm requeued it; the script saw that and did not requeue it a second time.
     assert "already requeued by Slurm" in text and "requeueing job" not in text
     _assert_resumed_where_it_saved(text, 150)
+    _assert_forked_in_the_job(text, save, attempts=2)
 
 
 def test_scancel_mid_run_saves_within_the_grace_and_the_job_stays_cancelled(slurm, tmp_path):
     out, save = tmp_path / "job.out", tmp_path / "ckpt"
-    job = _submit(slurm, out, _args(save, 400, *SLOW))
+    job = _submit(slurm, out, _args(save, 400, *SLOW), RESIL_STANDBY="1")
     _wait_for_line(out, r"iteration\s+10/")
     subprocess.run(["scancel", job], env=slurm, check=True)
     info = _wait_ended(slurm, job, out)
@@ -216,6 +230,7 @@ def test_scancel_mid_run_saves_within_the_grace_and_the_job_stays_cancelled(slur
     trained = sorted(launch.losses(text))
     assert _saved(text) == [trained[-1]]  # KillWait (30 s) was enough to save what was trained
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == str(trained[-1])
+    _assert_forked_in_the_job(text, save, attempts=1)
 
 
 def test_a_warning_signal_before_the_job_step_starts_requeues_the_job(slurm, tmp_path):
@@ -269,6 +284,40 @@ def test_a_job_that_would_fail_again_is_not_requeued(slurm, tmp_path, case):
     assert not save.exists() or not list(save.glob("iter_*"))
 
 
+def _assert_forked_in_the_job(text: str, save: Path, attempts: int) -> None:
+    """Every attempt's ranks were forked from the standby its job step started, none imported for itself
+    (rank 0 says why it does; the standby, a connection it dropped)."""
+    assert "not used" not in text and "[resil] standby: dropped" not in text, _story(text)
+    assert len(re.findall(r"\[resil\] standby 'launcher-\d+': ready", text)) >= 1, _story(text)
+    events = [json.loads(line) for line in (save / "events.jsonl").read_text().splitlines()]
+    phases = [e["details"]["standby"] for e in events if e["event"] == "restart_phases"]
+    assert phases == [True] * attempts, phases
+
+
+def _assert_cold(text: str, save: Path) -> None:
+    """The job's ranks imported for themselves: the standby its environment named (the tests', outside
+    the job) was not passed on."""
+    assert f"{standby.ENV}={launch.env()[standby.ENV]} names a standby outside this job" in text or \
+        standby.ENV not in launch.env(), _story(text)
+    events = [json.loads(line) for line in (save / "events.jsonl").read_text().splitlines()]
+    assert [e["details"]["standby"] for e in events if e["event"] == "restart_phases"] == [False]
+
+
+def _ancestors(pid: int) -> list[int]:
+    found = []
+    while (fields := launch.proc_stat(pid)) is not None and int(fields[1]) > 1:
+        pid = int(fields[1])
+        found.append(pid)
+    return found
+
+
+def _command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def _workers(save: Path) -> dict[int, int]:
     """{local rank: pid} of the pretrain.py ranks of the run saving to `save` (not its launcher)."""
     found = {}
@@ -294,10 +343,15 @@ def test_enable_ft_package_under_the_script_restarts_a_frozen_rank_inside_the_jo
     ft_args = ("--ft-rank-section-timeouts setup:120,step:6,checkpointing:15 "
                "--ft-rank-out-of-section-timeout 60 --ft-workload-check-interval 0.5")
     job = _submit(slurm, out, [*_args(save, 60, *SLOW), "--enable-ft-package", "--save-interval", "5"],
-                  MAX_RESTARTS="1", FT_LAUNCHER_ARGS=ft_args)
+                  MAX_RESTARTS="1", FT_LAUNCHER_ARGS=ft_args, RESIL_STANDBY="1")
     _wait_for_line(out, r"iteration\s+8/")
     workers = _workers(save)
     assert sorted(workers) == [0, 1], workers
+    # The ranks' standby is inside the job step: Slurm holds it, and the forks it runs them in.
+    (name,) = re.findall(r"\[resil\] standby '(launcher-\d+)': ready", out.read_text())
+    (standby,) = launch.processes_named(name)
+    assert "slurmstepd" in [_command(pid) for pid in _ancestors(standby)]
+    assert len(launch.children(standby)) >= 2
     os.kill(workers[1], signal.SIGSTOP)
     info = _wait_ended(slurm, job, out)
     text = out.read_text()
@@ -305,6 +359,7 @@ def test_enable_ft_package_under_the_script_restarts_a_frozen_rank_inside_the_jo
     assert re.search(r"Section '(step|checkpointing)' has been open", text)  # the rank monitor saw the hang
     assert "[resil] restart: worker group restart 1 of at most 1" in text
     assert "stop 0: training finished at iteration 60" in text
+    _assert_forked_in_the_job(text, save, attempts=2)  # the in-job restart too
 
 
 def test_two_nodes_one_launcher_each_rendezvous_on_the_first_node(slurm_two_nodes, tmp_path):
@@ -325,3 +380,4 @@ def test_two_nodes_one_launcher_each_rendezvous_on_the_first_node(slurm_two_node
     assert len({node for node, _ in joined}) == 2 and sorted(rank for _, rank in joined) == ["0", "1"], joined
     assert sorted(launch.losses(text)) == list(range(1, 11))
     assert "stop 0: training finished at iteration 10" in text
+    _assert_cold(text, save)

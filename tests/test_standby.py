@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from megatron_resil import standby
+from megatron_resil import standby_wire as wire
 from tests import launch
 
 pytestmark = pytest.mark.slow
@@ -33,12 +35,6 @@ def session_standby(_standby) -> str:
     return _standby
 
 
-def _standby_pid(name: str) -> int:
-    found = launch.processes_named(name)
-    assert len(found) == 1, f"standby {name}: {found}"
-    return found[0]
-
-
 def _wait(condition, what: str, timeout: float = 120, proc=None, log: Path | None = None) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -49,15 +45,16 @@ def _wait(condition, what: str, timeout: float = 120, proc=None, log: Path | Non
         time.sleep(0.05)
 
 
-def _start_one_rank(tmp_path: Path, name: str | None = None):
-    """A one-rank torchrun run that trains until killed; returns (torchrun, log, client, worker)."""
+def _start_one_rank(tmp_path: Path, value: str | None = None):
+    """A one-rank torchrun run that trains until killed, its rank forked from the standby `value`
+    (NAME@PID; by default the tests' one); returns (torchrun, log, client, worker)."""
     log = tmp_path / "run.log"
     proc = launch.start(LONG_RUN, nproc=1, log_path=log)
     try:
         _wait(lambda: "iteration        2/" in log.read_text(), "iteration 2", proc=proc, log=log)
         (client,) = [pid for pid in launch.children(proc.pid)
                      if b"LOCAL_RANK=" in Path(f"/proc/{pid}/environ").read_bytes()]
-        (worker,) = launch.children(_standby_pid(name or os.environ[standby.ENV]))
+        (worker,) = launch.children(launch.standby_pid(value))
     except BaseException:  # never leave a run that trains until killed behind
         _kill_tree(proc, *[pid for pid in launch.children(proc.pid)])
         raise
@@ -162,13 +159,23 @@ def test_what_a_launcher_sets_for_each_rank_is_not_import_time_environment(monke
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to become another user")
 def test_the_standby_serves_its_own_user_only(session_standby):
-    name = session_standby
-    assert standby.ping(name)
+    assert standby.ping(session_standby)
     child = os.fork()
-    if child == 0:  # another user on the same host: refused before anything is read
-        os.setgid(65534)
-        os.setuid(65534)
-        os._exit(0 if standby.ping(name) else 3)
+    if child == 0:  # another user on the same host, who sends a ping: closed, nothing read or answered
+        code = 1
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.settimeout(30)
+                sock.connect(wire.address(session_standby.partition("@")[0]))
+                wire.send(sock, {"ping": True})
+                wire.receive(sock)
+            code = 0
+        except (OSError, ValueError):  # the connection closed, or reset with the ping unread
+            code = 3
+        finally:
+            os._exit(code)
     _, status = os.waitpid(child, 0)
     assert os.waitstatus_to_exitcode(status) == 3
 
@@ -177,13 +184,14 @@ def test_a_standby_that_dies_ends_its_ranks_with_one_line(tmp_path):
     name = f"test-dies-{os.getpid()}"
     own = subprocess.Popen([sys.executable, "-m", "megatron_resil.standby", "--name", name], env=launch.env(),
                            cwd=launch.REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    value = f"{name}@{own.pid}"
     proc = None
     try:
-        _wait(lambda: standby.ping(name), "the standby to start", timeout=60)
+        _wait(lambda: standby.ping(value), "the standby to start", timeout=60)
         session = os.environ.get(standby.ENV)
-        os.environ[standby.ENV] = name  # launch.env() passes it to the ranks
+        os.environ[standby.ENV] = value  # launch.env() passes it to the ranks
         try:
-            proc, log, client, worker = _start_one_rank(tmp_path, name)
+            proc, log, client, worker = _start_one_rank(tmp_path, value)
         finally:
             if session is None:
                 os.environ.pop(standby.ENV)

@@ -3,28 +3,32 @@ entries, the manifest's files) stays inside it, a link or a FIFO anywhere in it 
 opened, what is read whole is bounded, and a layer's extra state is no way around the allow-list.
 
 Each case builds the checkpoint for real (a FIFO outside with no writer, so an `open` of it would block
-forever, a real symlink, a crafted pickle) and checks that verification refuses it by name, quickly."""
+forever, a real symlink, a crafted pickle, a name no encoder can print, a deflate bomb) and checks that
+verification refuses it by name, quickly, and that nothing it quotes can turn the refusal into a crash."""
 
 from __future__ import annotations
 
+import argparse
 import io
+import json
 import os
 import pickle
-import resource
+import re
 import shutil
 import subprocess
 import sys
 import threading
+import zipfile
 from pathlib import Path
 
 import pytest
 
+from megatron_resil.checkpointing.untrusted import remove_tree
 from tests import launch
 from tests.test_safe_load import (
     V0_1,
     _metadata,
     _Planted,
-    checkpoints_of_iterations_1_to_4,
     replace_byte_item,
 )
 
@@ -119,7 +123,7 @@ def test_a_fifo_inside_is_refused_by_verify_and_by_ckpt_verify(checkpoint, name)
     assert reason is not None and f"a FIFO, {name}" in reason, reason
     tool = subprocess.run([sys.executable, "-m", "megatron_resil.tools.ckpt", "verify",
                            str(checkpoint.parent)],
-                          env=launch.env(), cwd=launch.REPO, capture_output=True, text=True, timeout=60)
+                          env=launch.env(), cwd=launch.REPO, capture_output=True, text=True, timeout=300)
     assert tool.returncode == 1 and f"a FIFO, {name}" in tool.stdout + tool.stderr, tool.stdout + tool.stderr
 
 
@@ -131,7 +135,7 @@ def test_ckpt_list_names_fifos_where_notes_and_manifests_should_be(checkpoint, t
     quarantined.mkdir()
     os.mkfifo(quarantined / "QUARANTINE_REASON.txt")
     tool = subprocess.run([sys.executable, "-m", "megatron_resil.tools.ckpt", "list", str(root)],
-                          env=launch.env(), cwd=launch.REPO, capture_output=True, text=True, timeout=60)
+                          env=launch.env(), cwd=launch.REPO, capture_output=True, text=True, timeout=300)
     assert tool.returncode == 0, tool.stdout + tool.stderr
     assert "QUARANTINE_REASON.txt is a FIFO" in tool.stdout, tool.stdout
 
@@ -290,23 +294,239 @@ def test_a_local_shard_with_a_genuine_transformer_engine_extra_state_verifies(tm
     assert tier.verify(candidate) is None
 
 
-def test_an_oversized_metadata_is_refused_without_reading_it(checkpoint):
-    """A 1.5 GiB sparse .metadata: before, every rank read all of it into memory first."""
-    with open(checkpoint / ".metadata", "r+b") as f:
-        f.truncate(3 << 29)
+@pytest.mark.parametrize("case", ["deflated", "larger than this run's state"])
+def test_a_local_shard_that_would_take_more_memory_than_this_run_can_is_rejected(tmp_path, case):
+    """A node-local shard is read whole, then torch.load'ed: before, a deflated one was inflated in full and
+    one of any size read into memory (a sparse terabyte included). Its manifest is rewritten to match."""
+    from megatron_resil.checkpointing.local_tier import MANIFEST_SUFFIX
+    from megatron_resil.checkpointing.sealed_shard import crc32_of
+    tier, candidate = _local_candidate(tmp_path / "local", None)
+    shard = tier.my_dir / "iter_0000006_0_local.pt"
+    if case == "deflated":
+        data = deflated(shard.read_bytes(), padding=16 << 20)
+        shard.write_bytes(data)
+        manifest = Path(str(shard) + MANIFEST_SUFFIX)
+        meta = json.loads(manifest.read_text())
+        manifest.write_text(json.dumps({**meta, "size": len(data), "crc32": crc32_of(data)}))
+        wanted = "is compressed (zip method 8)"
+    else:
+        tier.max_rank_bytes = shard.stat().st_size - 1
+        wanted = f"more than any local shard can have ({tier.max_rank_bytes})"
+    reason = tier.verify(candidate)
+    assert reason is not None and wanted in reason, reason
+
+
+@pytest.mark.parametrize("how", ["deflated", "through a DCP transform"])
+def test_a_tensor_item_that_would_be_decompressed_on_load_is_refused_at_verification(checkpoint, how):
+    """DCP torch.load's each tensor item whole when it loads, after verification: a deflated one (or one
+    stored through DCP's decompressing transforms) would have been inflated then, on every rank."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    fqn = "decoder.layers.mlp.linear_fc1.weight"
+    metadata = _metadata(checkpoint)
+    index, stored = next((i, s) for i, s in metadata.storage_data.items() if i.fqn == fqn)
+    if how == "deflated":
+        with open(checkpoint / stored.relative_path, "rb") as f:
+            f.seek(stored.offset)
+            tensor = torch.load(io.BytesIO(f.read(stored.length)), weights_only=True)
+        replace_byte_item(checkpoint, lambda name: name == fqn, tensor,
+                          serialized=lambda saved: deflated(saved, padding=16 << 20))
+        wanted = f"(item {fqn}): entry"
+    else:
+        metadata.storage_data[index] = _StorageInfo(stored.relative_path, stored.offset, stored.length,
+                                                    ["zstandard"])
+        with open(checkpoint / ".metadata", "wb") as f:
+            pickle.dump(metadata, f)
+        wanted = f"item {fqn} is stored through DCP's transforms"
     (checkpoint / "resil_manifest.json").unlink()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     reason = _verify(checkpoint)
-    grew_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert reason is not None and wanted in reason, reason
+
+
+def _oversize_metadata(ckpt: Path) -> None:
+    """A 1.5 GiB sparse .metadata: before, every rank read all of it into memory first."""
+    with open(ckpt / ".metadata", "r+b") as f:
+        f.truncate(3 << 29)
+    (ckpt / "resil_manifest.json").unlink()
+
+
+def test_an_oversized_metadata_is_refused_without_reading_it(checkpoint):
+    """(What reading it costs is measured in a process of its own:
+    test_files_that_would_take_more_memory_than_their_size_are_refused_in_one_line_with_little.)"""
+    _oversize_metadata(checkpoint)
+    reason = _verify(checkpoint)
     assert reason is not None and "refused without reading it" in reason, reason
-    assert grew_kib < 256 * 1024, f"resident memory grew by {grew_kib} KiB"
     from megatron_resil.checkpointing.global_tier import _slug
     assert _slug(reason) == "oversized"
 
 
+def deflated(archive: bytes, padding: int = 128 << 20) -> bytes:
+    """A torch.save archive rewritten with every entry deflated and `padding` zero bytes after the pickle's
+    STOP: torch.load reads what it did, after inflating all of it (a few MB on disk; torch itself writes
+    every entry stored)."""
+    bomb = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(archive)) as plain, \
+            zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as out:
+        for entry in plain.infolist():
+            with out.open(entry.filename, "w") as written:
+                written.write(plain.read(entry))
+                if entry.filename.endswith("/data.pkl"):
+                    zeros = bytes(1 << 20)
+                    for _ in range(padding >> 20):
+                        written.write(zeros)
+    return bomb.getvalue()
+
+
+def write_deflate_bomb(path: Path, state) -> None:
+    """torch.save(state) at `path`, deflated (`deflated`)."""
+    import torch
+    saved = io.BytesIO()
+    torch.save(state, saved)
+    path.write_bytes(deflated(saved.getvalue()))
+
+
+def _legacy_deflate_bomb(ckpt: Path) -> None:
+    """A --ckpt-format torch checkpoint of one rank (Megatron-LM's layout) whose model_optim_rng.pt is a
+    deflate bomb."""
+    import torch
+    state = {"args": argparse.Namespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1),
+             "checkpoint_version": 3.0, "iteration": 3, "model": {"decoder.weight": torch.ones(4, 4)}}
+    (ckpt / "mp_rank_00").mkdir(parents=True)
+    write_deflate_bomb(ckpt / "mp_rank_00" / "model_optim_rng.pt", state)
+
+
+def test_files_that_would_take_more_memory_than_their_size_are_refused_in_one_line_with_little(tmp_path):
+    """`ckpt verify`, in a fresh process whose peak memory is read: a 1.5 GiB sparse .metadata, a common.pt
+    whose pickle is deflated (128 MiB in 0.6 MB; one of 256 MiB took the tool up 511 MiB before) and a
+    --ckpt-format torch model_optim_rng.pt the same, each refused in one line before torch.load sees it;
+    the intact iteration 2 still verifies."""
+    import torch
+    root = tmp_path / "ckpt"
+    shutil.copytree(V0_1, root / "iter_0000002")
+    shutil.copytree(V0_1, root / "iter_0000005")
+    _oversize_metadata(root / "iter_0000005")
+    shutil.copytree(V0_1, root / "iter_0000004")
+    (root / "iter_0000004" / "resil_manifest.json").unlink()
+    common = torch.load(V0_1 / "common.pt", weights_only=False)  # the test's own, trusted copy
+    write_deflate_bomb(root / "iter_0000004" / "common.pt", common)
+    _legacy_deflate_bomb(root / "iter_0000003")
+
+    done, grew_kib = launch.ckpt_tool_measured("verify", root)
+    verdicts = dict(re.findall(r"^persistent iteration (\d): (.*)$", done.stdout, re.MULTILINE))
+    assert done.returncode == 1 and sorted(verdicts) == ["2", "3", "4", "5"], done.stdout + done.stderr
+    assert ".metadata has 1610612736 bytes" in verdicts["5"] and "refused without reading it" in verdicts["5"]
+    for iteration, file in (("4", "common.pt"), ("3", "mp_rank_00/model_optim_rng.pt")):
+        assert re.search(rf"{re.escape(file)}: entry \S+/data\.pkl is compressed \(zip method 8\)",
+                         verdicts[iteration]), verdicts[iteration]
+    assert verdicts["2"].startswith("ok"), verdicts["2"]
+    assert grew_kib < 64 * 1024, f"peak resident memory grew by {grew_kib} KiB while verifying"
+
+
+def _newest_damaged(tmp_path: Path) -> tuple[Path, Path]:
+    """A --save directory whose tracker names iteration 3, a copy of iteration 2 without its manifest (for
+    the case to damage), beside the intact iteration 2: (root, iteration 3's directory)."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(V0_1, root / "iter_0000002")
+    newest = root / "iter_0000003"
+    shutil.copytree(V0_1, newest)
+    (newest / "resil_manifest.json").unlink()
+    (root / "latest_checkpointed_iteration.txt").write_text("3\n")
+    return root, newest
+
+
+def _nest(directory: Path, depth: int) -> None:
+    """`depth` directories `d/d/...` under `directory`, made by file descriptor (os.makedirs recurses)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        for _ in range(depth):
+            os.mkdir("d", dir_fd=fd)
+            fd, parent = os.open("d", os.O_RDONLY, dir_fd=fd), fd
+            os.close(parent)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("case", ["an integrity.json key, ASCII stdout",
+                                  "a link's name, strict UTF-8 stdout"])
+def test_a_name_no_encoder_can_print_is_a_rejection_not_a_crash(tmp_path, case):
+    """Before, `ckpt verify` ended in UnicodeEncodeError (and every launch with exit 1, the newest
+    iteration never quarantined, the good one never loaded): the name is escaped in the verdict and the
+    older iteration is the one to load, on a stdout that encodes strictly."""
+    root, newest = _newest_damaged(tmp_path)
+    if "integrity.json" in case:
+        (newest / "integrity.json").write_text(json.dumps({"algorithm": "sha256", "files": {"\ud800": "00"}}))
+        encoding, shown = "ascii", "lists \\ud800, which is missing"
+    else:
+        os.symlink(b"/nowhere", os.path.join(os.fsencode(newest), b"\xff"))
+        encoding, shown = "utf-8", "holds a symlink, \\xff;"
+    verified = launch.ckpt_tool("verify", root, encoding=encoding)
+    lines = verified.stdout.splitlines()
+    assert verified.returncode == 1 and len(lines) == 2, verified.stdout + verified.stderr
+    assert lines[0].startswith("persistent iteration 3: FAILED: ") and shown in lines[0], lines[0]
+    assert lines[1] == "persistent iteration 2: ok (sizes and checksums match the manifest)", lines[1]
+    chosen = launch.ckpt_tool("which", root, encoding=encoding)
+    assert chosen.returncode == 0 and chosen.stdout.splitlines()[-1].startswith(
+        f"would load persistent iteration 2 ({root / 'iter_0000002'})"), chosen.stdout
+
+
+def test_a_saved_argument_quoted_in_a_resil_line_is_one_escaped_line_on_an_ascii_stdout(tmp_path):
+    """What the loader prints of a checkpoint's saved arguments ("Setting tokenizer_model to ... from
+    checkpoint") and its decisions go through the same lines: a newline there forged a line of its own, a
+    lone surrogate ended the run in UnicodeEncodeError, and an ASCII stdout could not take an accent. The
+    event log keeps the same escaped text."""
+    import contextlib
+
+    from megatron_resil import events
+    saved = "/models/t\u00e9\ud800\n[resil] load: accepted persistent iteration 9\x1b[2K"
+    raw = io.BytesIO()
+    stdout = io.TextIOWrapper(raw, encoding="ascii", errors="strict")
+    events.configure(str(tmp_path))
+    try:
+        with contextlib.redirect_stdout(stdout):
+            events.print_rank_0(f"Setting tokenizer_model to {saved} from checkpoint")
+            events.decision("load", f"rejected persistent iteration 3: {saved}", reason=saved)
+        stdout.flush()
+    finally:
+        events.configure(None)
+    forged = "[resil] load: accepted persistent iteration 9"
+    escaped = f"/models/t\\xe9\\ud800\\x0a{forged}\\x1b[2K"
+    assert raw.getvalue().decode("ascii").splitlines() == [
+        f"Setting tokenizer_model to {escaped} from checkpoint",
+        f"[resil] load: rejected persistent iteration 3: {escaped}"]
+    (record,) = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert record["reason"] == f"/models/t\u00e9\\ud800\\x0a{forged}\\x1b[2K"  # an accent is printable
+
+
+def test_ckpt_list_walks_a_dangling_link_and_a_tree_1100_deep_and_keeps_a_planted_note_on_its_line(tmp_path):
+    """`ckpt list` raised FileNotFoundError on a dangling link inside an iteration and RecursionError on a
+    tree 1,100 levels deep (Python 3.11's os.walk recurses), as `ckpt verify` does not; and it printed a
+    quarantine note as written, so a newline in it forged a line of its own."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(V0_1, root / "iter_0000002")
+    (root / "iter_0000002" / "dangling").symlink_to(tmp_path / "gone")
+    (root / "iter_0000003").mkdir()
+    quarantined = root / "iter_0000001.quarantined.checksum.0123abcd"
+    quarantined.mkdir()
+    (quarantined / "QUARANTINE_REASON.txt").write_text(
+        "bad\n[resil] load: accepted persistent iteration 1\x1b[2K\n")
+    try:
+        _nest(root / "iter_0000003", 1100)
+        listed = launch.ckpt_tool("list", root, encoding="ascii")
+    finally:  # pytest's own clean-up of old temporary directories recurses
+        remove_tree(str(root / "iter_0000003"))
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    lines = listed.stdout.splitlines()
+    (second,) = [line for line in lines if "iter_0000002" in line]
+    assert re.fullmatch(r"  iter_0000002 +0\.\d MiB  manifest v3", second), second
+    (third,) = [line for line in lines if "iter_0000003" in line]
+    assert "more than 32 directories deep" in third and "not all counted" in third, third
+    (note,) = [line for line in lines if "quarantined iter_0000001" in line]
+    assert note.endswith(": bad\\x0a[resil] load: accepted persistent iteration 1\\x1b[2K"), note
+    assert not any(line.startswith("[resil]") for line in lines), lines
+
+
 def test_removing_a_leftover_of_any_depth_follows_no_link(tmp_path):
     """A `.tmp_iter_*` 1,500 directories deep ended start-up cleanup with RecursionError on every restart."""
-    from megatron_resil.checkpointing.untrusted import remove_tree
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "keep").write_text("not ours to delete")
@@ -330,40 +550,74 @@ def test_removing_a_leftover_of_any_depth_follows_no_link(tmp_path):
 
 @pytest.mark.slow
 def test_a_resume_falls_back_past_each_crafted_checkpoint_and_says_why(tmp_path):
-    """The newest checkpoint's .metadata reads a shard from a FIFO outside (no writer: the resume hung
-    forever), the next one's extra state carries a pickle (exit 3 before), the next is a link to its own
-    copy moved elsewhere; the resume loads iteration 1 and names each file and reason on one line."""
+    """Seven checkpoints, six of them crafted. The newest's integrity.json lists a key "\\ud800" and the
+    next holds a link named with byte \\xff (each ended every launch in UnicodeEncodeError, printing or
+    writing the quarantine note: exit 1, nothing quarantined, a crash loop); the next's common.pt is a
+    deflate bomb (128 MiB in 0.6 MB); the next's .metadata reads a shard from a FIFO outside (no writer: the
+    resume hung forever), the next one's extra state carries a pickle (exit 3 before), the next is a link
+    to its own copy moved elsewhere. The resume loads iteration 1 and names each file and reason, escaped,
+    on one line."""
     save = tmp_path / "ckpt"
     marker = tmp_path / "code_ran"
-    args = checkpoints_of_iterations_1_to_4(save)
+    args = [*launch.TINY_MODEL, *launch.TINY_TRAINING, "--save", str(save), "--load", str(save),
+            "--save-interval", "1"]
+    first = launch.run([*args, "--train-iters", "7"])
+    assert first.returncode == 0, first.stdout[-3000:]
 
+    iter7 = save / "iter_0000007"
+    (iter7 / "resil_manifest.json").unlink()
+    (iter7 / "integrity.json").write_text(json.dumps({"algorithm": "sha256", "files": {"\ud800": "00"}}))
+    os.symlink(b"/nowhere", os.path.join(os.fsencode(save / "iter_0000006"), b"\xff"))
+    planted_in = _bomb_the_common_state(save / "iter_0000005")
     fifo = tmp_path / "outside.fifo"
     os.mkfifo(fifo)
-    iter4 = save / "iter_0000004"
-    _point_item_at(iter4, str(fifo))
+    _point_item_at(save / "iter_0000004", str(fifo))
     fqn = _plant_extra_state(save / "iter_0000003", [_as_uint8(pickle.dumps(_Planted(marker)))])
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (save / "iter_0000002").rename(elsewhere / "iter_0000002")
     (save / "iter_0000002").symlink_to(elsewhere / "iter_0000002")
-    leftover = save / ".tmp_iter_0000005_0123456789ab"  # start-up cleanup died of RecursionError on it
+    leftover = save / ".tmp_iter_0000008_0123456789ab"  # start-up cleanup died of RecursionError on it
     leftover.mkdir()
-    fd = os.open(leftover, os.O_RDONLY)
-    for _ in range(1500):
-        os.mkdir("d", dir_fd=fd)
-        fd, parent = os.open("d", os.O_RDONLY, dir_fd=fd), fd
-        os.close(parent)
-    os.close(fd)
-
-    resumed = launch.run([*args, "--train-iters", "5"], timeout=180)
+    try:
+        _nest(leftover, 1500)
+        resumed = launch.run([*args, "--train-iters", "3"], timeout=180)
+    finally:  # pytest's clean-up of old temporary directories, in any later session, would recurse on it
+        if leftover.exists():
+            remove_tree(str(leftover))
     out = resumed.stdout
     assert resumed.returncode == 0, out[-4000:]
     assert not marker.exists()
     lines = out.splitlines()
-    for iteration, named in ((4, str(fifo)), (3, fqn), (2, "is a symlink to")):
+    for iteration, named in ((7, "lists \\ud800, which is missing"), (6, "holds a symlink, \\xff;"),
+                             (5, f"{planted_in}: entry "), (4, str(fifo)), (3, fqn), (2, "is a symlink to")):
         rejected = [x for x in lines if f"load: rejected persistent iteration {iteration}" in x]
-        assert len(rejected) == 1 and named in rejected[0], out[-4000:]
+        assert len(rejected) == 1 and named in rejected[0], out[-6000:]
+    assert "is compressed (zip method 8)" in next(x for x in lines if "rejected persistent iteration 5" in x)
     assert "successfully loaded checkpoint from" in out and "at iteration 1" in out, out[-4000:]
     assert "Traceback" not in out
+    # Each moved aside with its reason, as any rejected candidate.
+    for iteration, named in ((7, "\\ud800"), (6, "\\xff"), (5, "is compressed")):
+        (moved,) = save.glob(f"iter_{iteration:07d}.quarantined.*")
+        assert named in (moved / "QUARANTINE_REASON.txt").read_text()
     assert "QUARANTINE_REASON.txt" not in os.listdir(elsewhere / "iter_0000002")  # the link was moved
-    assert not leftover.exists() and f"removed {leftover}" in out
+    assert f"removed {leftover}" in out
+
+
+def _bomb_the_common_state(ckpt: Path) -> str:
+    """The common state, wherever the checkpoint keeps it (common.pt, or megatron-core 0.19's byte item in
+    the shards), replaced by a deflate bomb holding the same; its manifest dropped. Returns the file's name
+    as a refusal gives it."""
+    import torch
+
+    from megatron_resil.checkpointing.safe_load import COMMON_STATE_KEY
+    (ckpt / "resil_manifest.json").unlink()
+    if (ckpt / "common.pt").exists():  # read back and saved again: megatron-core wrote it with no CRC-32s
+        write_deflate_bomb(ckpt / "common.pt", torch.load(ckpt / "common.pt", weights_only=False))
+        return "common.pt"
+    stored = next(s for i, s in _metadata(ckpt).storage_data.items() if i.fqn == COMMON_STATE_KEY)
+    with open(ckpt / stored.relative_path, "rb") as f:
+        f.seek(stored.offset)
+        common = torch.load(io.BytesIO(f.read(stored.length)), weights_only=False)  # the test's own copy
+    replace_byte_item(ckpt, lambda fqn: fqn == COMMON_STATE_KEY, common, serialized=deflated)
+    return f"{stored.relative_path} (item {COMMON_STATE_KEY})"

@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 
+from megatron_resil.arguments import layer_pattern
 from megatron_resil.arguments.device import cuda_available, package_available
 from megatron_resil.arguments.errors import ArgumentError
 from megatron_resil.arguments.flag_table import Flag, add_flags, config_choices
 from megatron_resil.arguments.model import transformer_engine_available
-from megatron_resil.arguments.moe import moe_layer_freq
 
 TC = "TransformerConfig"
 VARIANTS = ("gdn", "gdn2", "dsa", "gated_delta_net")  # Megatron-LM's; gated_delta_net is gdn's old name
@@ -27,14 +27,9 @@ DSA_SINCE = (0, 18)
 DSA_KERNEL_PACKAGES = {"tilelang": (("tilelang", "tilelang"),),
                        "cudnn": (("flash_mla", "flash-mla"), ("cudnn", "nvidia-cudnn-frontend"))}
 
-
-def linear_attention_freq(text: str) -> int | list[int]:
-    """Megatron-LM's --linear-attention-freq: N (a full-attention layer every N layers, linear attention in
-    the others) or a list expression of 1 (linear attention) and 0 (full attention) per layer."""
-    return moe_layer_freq(text)
-
-
-linear_attention_freq.__name__ = "linear attention pattern"  # argparse names the type in its error line
+# Megatron-LM's --linear-attention-freq: N (a full-attention layer every N layers, linear attention in the
+# others) or a list expression of 1 (linear attention) and 0 (full attention) per layer.
+linear_attention_freq = layer_pattern.argument_type("linear attention pattern")
 
 FLAGS = (
     Flag("--experimental-attention-variant", None, str, choices=VARIANTS, to=TC,

@@ -3,17 +3,25 @@ model's arguments saved in the checkpoint under --load take their place. Which o
 list for the installed release: most replace the command line's value ("forced"); the sizes only fill in one
 the command line left out. The checkpoint is the one the loader would take (its tracker's, else the newest
 that passes verification), read through safe_load. torch.distributed has not started yet, so every rank reads
-it itself; `check_ranks_agree` confirms, once it has, that they all took the same."""
+it itself; `check_ranks_agree` confirms, once it has, that they all took the same.
+
+The saved arguments are untrusted data: each value must be one its flag could have given (a size within
+arguments/sizes.py's bounds, a layer pattern checked without being read as text), the model they describe
+must fit in what the checkpoint records of its tensors (recorded_size.py), checked before anything is
+allocated, and a path that decides what code runs (the tokenizer directory under --trust-remote-code) is
+never taken from it."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import math
 import os
 from dataclasses import dataclass
 
 from packaging.version import Version
 
+from megatron_resil.arguments import sizes
 from megatron_resil.arguments.errors import ArgumentError
 from megatron_resil.arguments.flag_table import Flag, add_flags, warn
 
@@ -33,6 +41,11 @@ FLAGS = (
 _OURS = {"apply_layernorm_1p": "layernorm_zero_centered_gamma"}
 # The sizes a command line must give unless a checkpoint does (model.py's required flags).
 _REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
+# Bounds on saved values that are no size: integers a C long holds, text a flag could carry, lists as
+# long as a layer pattern at most.
+_MAX_INT = (1 << 63) - 1
+_MAX_TEXT = 4096
+_MAX_ITEMS = 1 << 14
 
 
 @dataclass(frozen=True)
@@ -120,12 +133,13 @@ def take_from_checkpoint(args: argparse.Namespace, parser: argparse.ArgumentPars
         events.print_rank_0("Checkpoint not found to provide arguments, using provided arguments.")
         _say_missing_sizes(args, f"no checkpoint under --load {args.load}")
         return
-    where, saved = found
+    path, where, saved = found
     if not saved:
         events.print_rank_0("Checkpoint provided does not have arguments saved, using provided arguments.")
         _say_missing_sizes(args, f"{where} has no saved arguments")
         return
     changed = _merge(args, saved, parser, where)
+    _check_recorded_size(args, path, where)
     events.print_rank_0(f"[resil] checkpoint args: model arguments from {where} (--use-checkpoint-args); "
                         + (f"replaced: {', '.join(changed)}" if changed else "none differs from the command "
                            "line's"))
@@ -138,10 +152,10 @@ def _say_missing_sizes(args: argparse.Namespace, why: str) -> None:
                                 f"to take it from ({why})")
 
 
-def _saved_args(args: argparse.Namespace) -> tuple[str, dict] | None:
-    """(where, the saved arguments as a dict) of the candidate the loader would take first: newest first
-    across --load and a global non-persistent directory, each passing the loader's verification (sizes, not
-    checksums: every rank reads this itself), or None when none does."""
+def _saved_args(args: argparse.Namespace) -> tuple[str, str, dict] | None:
+    """(its path, where, the saved arguments as a dict) of the candidate the loader would take first: newest
+    first across --load and a global non-persistent directory, each passing the loader's verification
+    (sizes, not checksums: every rank reads this itself), or None when none does."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     from megatron_resil import events
@@ -164,7 +178,12 @@ def _saved_args(args: argparse.Namespace) -> tuple[str, dict] | None:
         if reason is not None:
             events.print_rank_0(f"[resil] checkpoint args: passed over {where}: {reason}")
             continue
-        return where, vars(saved) if isinstance(saved, argparse.Namespace) else dict(saved or {})
+        if isinstance(saved, argparse.Namespace):
+            saved = vars(saved)
+        if not isinstance(saved, dict) and saved is not None:  # Megatron-LM saves a Namespace
+            raise ArgumentError(f"{where} holds saved arguments that are {_shown(saved)}, not the "
+                                "Namespace Megatron-LM saves; drop --use-checkpoint-args")
+        return candidate.path, where, dict(saved or {})
     return None
 
 
@@ -173,8 +192,8 @@ def _release() -> Version:
 
 
 def _merge(args: argparse.Namespace, saved: dict, parser: argparse.ArgumentParser, where: str) -> list[str]:
-    """Megatron-LM's copying, each value said in its line; returns the arguments whose value (given or
-    default) the checkpoint's replaced, with both values."""
+    """Megatron-LM's copying, each value said in its line; returns every argument whose value (given or
+    default) the checkpoint's changed, with both values."""
     from megatron_resil import events
 
     saved = dict(saved)
@@ -189,7 +208,12 @@ def _merge(args: argparse.Namespace, saved: dict, parser: argparse.ArgumentParse
         if not row.copied_by(release) or ours not in actions:
             continue  # an argument the running code does not have
         if row.name == "moe_ffn_hidden_size" and saved.get("num_experts") is None:
+            if args.moe_ffn_hidden_size is not None:
+                changed.append(f"moe_ffn_hidden_size ({args.moe_ffn_hidden_size} -> None)")
             args.moe_ffn_hidden_size = None  # as Megatron-LM: a dense checkpoint's model has no experts
+            continue
+        if row.name == "tokenizer_model" and args.trust_remote_code:
+            _keep_tokenizer_model(args, saved.get(row.name), where)
             continue
         if not row.forced and getattr(args, ours) is not None:
             continue
@@ -197,14 +221,54 @@ def _merge(args: argparse.Namespace, saved: dict, parser: argparse.ArgumentParse
         if value is None:
             events.print_rank_0(f"Checkpoint did not provide arguments {row.name}")
             continue
+        flag = actions[ours].option_strings[0]
         if not _fits(actions[ours], value):
-            raise ArgumentError(f"{where} holds {row.name}={value!r}, which is no value of "
-                                f"{actions[ours].option_strings[0]}; drop --use-checkpoint-args")
+            raise ArgumentError(f"{where} holds {row.name}={_shown(value)}, which is no value of {flag}; "
+                                "drop --use-checkpoint-args")
+        if ours in sizes.LIMITS and (why := sizes.out_of_bounds(ours, value)) is not None:
+            raise ArgumentError(f"{where} holds {row.name}={value}, which {flag} cannot be: it {why}; drop "
+                                "--use-checkpoint-args")
         events.print_rank_0(f"Setting {row.name} to {value} from checkpoint")
-        if getattr(args, ours) is not None and getattr(args, ours) != value:
+        if getattr(args, ours) != value:
             changed.append(f"{row.name} ({getattr(args, ours)} -> {value})")
         setattr(args, ours, value)
     return changed
+
+
+def _keep_tokenizer_model(args: argparse.Namespace, saved, where: str) -> None:
+    """Under --trust-remote-code the tokenizer directory decides what code runs: the command line's is kept,
+    and said, when the checkpoint names another. (Its --tokenizer-type is still taken, as in Megatron-LM: it
+    only picks among the tokenizers built here, reading the directory the command line trusts.)"""
+    from megatron_resil import events
+
+    if saved is not None and saved != args.tokenizer_model:
+        kept = args.tokenizer_model if args.tokenizer_model is not None else "(none given)"
+        events.print_rank_0(f"[resil] checkpoint args: kept the command line's --tokenizer-model {kept}, "
+                            f"not {_shown(saved)} from {where}: under --trust-remote-code the tokenizer "
+                            "directory decides what code runs, and that is never taken from a checkpoint")
+
+
+def _check_recorded_size(args: argparse.Namespace, path: str, where: str) -> None:
+    """Refuses, before anything is allocated, arguments describing a model larger than the checkpoint's own
+    record of its tensors: a checkpoint cannot hold it, whatever its saved arguments say."""
+    from megatron_resil.checkpointing import recorded_size
+    from megatron_resil.checkpointing.tier import CheckpointDataError
+
+    parts = sizes.least_parameters(args)
+    least = sum(count for count, _ in parts)
+    if not least:
+        return
+    try:
+        recorded, what = recorded_size.recorded_elements(path)
+    except (OSError, CheckpointDataError) as err:
+        raise ArgumentError(f"{where}: its record of its tensors is unreadable ({type(err).__name__}: "
+                            f"{(str(err).splitlines() or [''])[0][:200]}), so its model arguments cannot be "
+                            "checked; drop --use-checkpoint-args") from None
+    if least > recorded:
+        count, part = max(parts)
+        raise ArgumentError(f"{where}: the model arguments taken from it (with the command line's) describe "
+                            f"at least {least:,} parameters ({part}: {count:,}), but {what}; refused before "
+                            "building the model: drop --use-checkpoint-args")
 
 
 def _fits(action: argparse.Action, value) -> bool:
@@ -212,26 +276,40 @@ def _fits(action: argparse.Action, value) -> bool:
     if action.nargs == 0:  # a switch
         return isinstance(value, bool)
     if action.nargs in ("+", "*"):
-        return isinstance(value, list) and bool(value) and all(_fits_one(action, v) for v in value)
+        return type(value) is list and 1 <= len(value) <= _MAX_ITEMS and \
+            all(_fits_one(action, v) for v in value)
     return _fits_one(action, value)
 
 
 def _fits_one(action: argparse.Action, value) -> bool:
+    """Checked by type, never by handing the value to the flag's parsing function (a text the checkpoint
+    chose would be read as the command line's)."""
     kind = action.type or str
     if isinstance(value, bool):
         return False
     if kind is int:
-        fits = isinstance(value, int)
+        fits = type(value) is int and -_MAX_INT <= value <= _MAX_INT
     elif kind is float:
-        fits = isinstance(value, (int, float))
+        fits = type(value) in (int, float) and abs(value) <= _MAX_INT and math.isfinite(value)
     elif kind is str:
-        fits = isinstance(value, str)
-    else:  # a parsing function (e.g. --moe-layer-freq's): the value must read back as itself
-        try:
-            fits = kind(str(value)) == value
-        except (ValueError, TypeError, SyntaxError):
-            fits = False
+        fits = type(value) is str and len(value) <= _MAX_TEXT and value.isprintable()
+    else:  # a parsing function (--moe-layer-freq's): its own check of a parsed value, or none fits
+        accepts = getattr(kind, "accepts", None)
+        fits = accepts is not None and accepts(value)
     return fits and (action.choices is None or value in action.choices)
+
+
+def _shown(value) -> str:
+    """A saved value as a refusal quotes it: escaped, and short whatever its size or kind."""
+    if value is None or isinstance(value, (bool, float)):
+        return ascii(value)
+    if isinstance(value, int):
+        return str(value) if value.bit_length() <= 64 else f"an integer of {value.bit_length()} bits"
+    if isinstance(value, str):
+        return ascii(value[:80]) + ("..." if len(value) > 80 else "")
+    if isinstance(value, (list, tuple, dict, set)):
+        return f"a {type(value).__name__} of {len(value)} items"
+    return f"a {type(value).__name__}"
 
 
 def check_ranks_agree(args: argparse.Namespace) -> None:

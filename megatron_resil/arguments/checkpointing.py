@@ -8,86 +8,85 @@ import importlib.util
 import os
 
 from megatron_resil.arguments.errors import ArgumentError
+from megatron_resil.arguments.flag_table import Flag, add_flags
 
 SUPPORTED_FORMATS = ("torch_dist", "zarr", "torch")
 MEGATRON_FORMATS = ("torch", "torch_dist", "torch_dcp", "fsdp_dtensor", "zarr")
 
 
+FLAGS = (
+    Flag("--save", None, str, "directory for persistent checkpoints"),
+    Flag("--load", None, str, "directory to resume from (follows its tracker)"),
+    Flag("--save-interval", None, int),
+    Flag("--save-retain-interval", None, int,
+         "older checkpoints are deleted unless their iteration is a multiple of this"),
+    Flag("--ckpt-keep-last", None, int,
+         "keep only the newest K checkpoints (plus --save-retain-interval ones)"),
+    Flag("--ckpt-format", "torch_dist", str, choices=MEGATRON_FORMATS,
+         help="what global checkpoints are written in: torch_dist, zarr (zarr v3 through tensorstore, one "
+              "array per tensor, readable outside PyTorch; synchronous saves only, not with "
+              "--use-distributed-optimizer) or torch (Megatron-LM's legacy per-rank files, "
+              "mp_rank_*/model_optim_rng.pt; synchronous, loads only under the parallel sizes that saved "
+              "it). Loading reads any of them."),
+    Flag("--dist-ckpt-optim-fully-reshardable",
+         help="save the distributed optimizer's state fully reshardable (any data-parallel size, gathered "
+              "per parameter); default: dp_reshardable (each rank's buffer shard)"),
+    Flag("--no-save-optim"),
+    Flag("--no-save-rng"),
+    Flag("--no-load-optim"),
+    Flag("--no-load-rng"),
+    Flag("--finetune", help="load model weights only; reset iteration, optimizer and RNG"),
+    Flag("--exit-on-missing-checkpoint"),
+    Flag("--non-persistent-ckpt-type", None, str, choices=("global", "local"),
+         help="global: torch_dist checkpoints in --non-persistent-global-ckpt-dir, only the newest kept; "
+              "local: one file per rank in --non-persistent-local-ckpt-dir (node-local storage), optionally "
+              "replicated to other nodes"),
+    Flag("--non-persistent-save-interval", None, int),
+    Flag("--non-persistent-global-ckpt-dir", None, str, "default: <save>/non_persistent"),
+    Flag("--non-persistent-local-ckpt-dir", None, str,
+         "root of the local tier: <dir>/<rank>/iter_<7 digits>_<rank>_local.pt"),
+    Flag("--non-persistent-local-ckpt-algo", "fully_parallel", str, choices=("fully_parallel", "atomic"),
+         help="fully_parallel: data-parallel ranks split replicated tensors; atomic: each rank saves "
+              "everything it holds"),
+    Flag("--replication", help="copy each rank's local checkpoint to --replication-factor - 1 other ranks"),
+    Flag("--replication-jump", None, int,
+         "rank distance between copies; set it to the ranks per node so copies land on other nodes "
+         "(required with --replication)"),
+    Flag("--replication-factor", 2, int, "how many ranks hold each local checkpoint, its owner included"),
+    Flag("--non-persistent-canary-iters", 5, int,
+         "after resuming from a non-persistent checkpoint, a NaN or Inf loss or grad norm within this many "
+         "iterations rejects it and reloads the persistent checkpoint (0: off)"),
+    Flag("--async-save",
+         help="persistent interval saves are written by a background worker while training continues; "
+              "published atomically once every rank has written"),
+    Flag("--use-persistent-ckpt-worker",
+         help="accepted for Megatron compatibility: the --async-save worker is always persistent"),
+    Flag("--async-save-timeout-secs", 600.0, float,
+         "an async save not written within this time is dropped and its worker killed (the previous "
+         "checkpoints stay; training continues)"),
+    Flag("--async-save-max-failures", 3, int,
+         "this many failed async saves in a row end the job with exit code 4 (one failed save is dropped and "
+         "training continues)"),
+    Flag("--async-save-when-busy", "wait", str, choices=("wait", "skip"),
+         help="an interval save due while the previous async save is still being written: wait for it, "
+              "then save (default, as Megatron: no save is lost, the trainer stalls), or skip this save and "
+              "train on (the next one comes at the next interval). Said once with the figures either way; "
+              "the save at exit always waits"),
+    Flag("--ckpt-assume-constant-structure",
+         help="the model and optimizer state keep their structure for the whole job (as in Megatron): "
+              "torch_dist saves after the first reuse its plan and its spread over data-parallel ranks and "
+              "skip the sharding validation"),
+    Flag("--ckpt-skip-checksums",
+         help="do not verify file checksums on load (sizes and the manifest still are)"),
+    Flag("--verify-integrity",
+         help="as in Megatron-LM: every global checkpoint saved gets its SHA-256 manifest (integrity.json), "
+              "and a checkpoint loaded must have one (one without it is passed over, not quarantined); "
+              "torch_dist only. Without this flag, a checkpoint that has one is still checked against it"),
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("checkpointing")
-    g.add_argument("--save", default=None, help="directory for persistent checkpoints")
-    g.add_argument("--load", default=None, help="directory to resume from (follows its tracker)")
-    g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--save-retain-interval", type=int, default=None,
-                   help="older checkpoints are deleted unless their iteration is a multiple of this")
-    g.add_argument("--ckpt-keep-last", type=int, default=None,
-                   help="keep only the newest K checkpoints (plus --save-retain-interval ones)")
-    g.add_argument("--ckpt-format", choices=MEGATRON_FORMATS, default="torch_dist",
-                   help="what global checkpoints are written in: torch_dist, zarr (zarr v3 through "
-                        "tensorstore, one array per tensor, readable outside PyTorch; synchronous saves "
-                        "only, not with --use-distributed-optimizer) or torch (Megatron-LM's legacy "
-                        "per-rank files, mp_rank_*/model_optim_rng.pt; synchronous, loads only under the "
-                        "parallel sizes that saved it). Loading reads any of them.")
-    g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
-                   help="save the distributed optimizer's state fully reshardable (any data-parallel "
-                        "size, gathered per parameter); default: dp_reshardable (each rank's buffer shard)")
-    g.add_argument("--no-save-optim", action="store_true")
-    g.add_argument("--no-save-rng", action="store_true")
-    g.add_argument("--no-load-optim", action="store_true")
-    g.add_argument("--no-load-rng", action="store_true")
-    g.add_argument("--finetune", action="store_true",
-                   help="load model weights only; reset iteration, optimizer and RNG")
-    g.add_argument("--exit-on-missing-checkpoint", action="store_true")
-    g.add_argument("--non-persistent-ckpt-type", choices=["global", "local"], default=None,
-                   help="global: torch_dist checkpoints in --non-persistent-global-ckpt-dir, only the "
-                        "newest kept; local: one file per rank in --non-persistent-local-ckpt-dir "
-                        "(node-local storage), optionally replicated to other nodes")
-    g.add_argument("--non-persistent-save-interval", type=int, default=None)
-    g.add_argument("--non-persistent-global-ckpt-dir", default=None, help="default: <save>/non_persistent")
-    g.add_argument("--non-persistent-local-ckpt-dir", default=None,
-                   help="root of the local tier: <dir>/<rank>/iter_<7 digits>_<rank>_local.pt")
-    g.add_argument("--non-persistent-local-ckpt-algo", choices=["fully_parallel", "atomic"],
-                   default="fully_parallel",
-                   help="fully_parallel: data-parallel ranks split replicated tensors; atomic: each "
-                        "rank saves everything it holds")
-    g.add_argument("--replication", action="store_true",
-                   help="copy each rank's local checkpoint to --replication-factor - 1 other ranks")
-    g.add_argument("--replication-jump", type=int, default=None,
-                   help="rank distance between copies; set it to the ranks per node so copies land "
-                        "on other nodes (required with --replication)")
-    g.add_argument("--replication-factor", type=int, default=2,
-                   help="how many ranks hold each local checkpoint, its owner included")
-    g.add_argument("--non-persistent-canary-iters", type=int, default=5,
-                   help="after resuming from a non-persistent checkpoint, a NaN or Inf loss or grad "
-                        "norm within this many iterations rejects it and reloads the persistent "
-                        "checkpoint (0: off)")
-    g.add_argument("--async-save", action="store_true",
-                   help="persistent interval saves are written by a background worker "
-                        "while training continues; published atomically once every rank has written")
-    g.add_argument("--use-persistent-ckpt-worker", action="store_true",
-                   help="accepted for Megatron compatibility: the --async-save worker is always persistent")
-    g.add_argument("--async-save-timeout-secs", type=float, default=600.0,
-                   help="an async save not written within this time is dropped and its worker killed "
-                        "(the previous checkpoints stay; training continues)")
-    g.add_argument("--async-save-max-failures", type=int, default=3,
-                   help="this many failed async saves in a row end the job with exit code 4 (one failed "
-                        "save is dropped and training continues)")
-    g.add_argument("--async-save-when-busy", choices=("wait", "skip"), default="wait",
-                   help="an interval save due while the previous async save is still being written: wait "
-                        "for it, then save (default, as Megatron: no save is lost, the trainer stalls), or "
-                        "skip this save and train on (the next one comes at the next interval). Said once "
-                        "with the figures either way; the save at exit always waits")
-    g.add_argument("--ckpt-assume-constant-structure", action="store_true",
-                   help="the model and optimizer state keep their structure for the whole job (as in "
-                        "Megatron): torch_dist saves after the first reuse its plan and its spread over "
-                        "data-parallel ranks and skip the sharding validation")
-    g.add_argument("--ckpt-skip-checksums", action="store_true",
-                   help="do not verify file checksums on load (sizes and the manifest still are)")
-    g.add_argument("--verify-integrity", action="store_true",
-                   help="as in Megatron-LM: every global checkpoint saved gets its SHA-256 manifest "
-                        "(integrity.json), and a checkpoint loaded must have one (one without it is passed "
-                        "over, not quarantined); torch_dist only. Without this flag, a checkpoint that has "
-                        "one is still checked against it")
+    add_flags(parser, "checkpointing", FLAGS)
 
 
 def _check_dir_flag(flag: str, path: str | None) -> None:

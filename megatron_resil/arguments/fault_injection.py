@@ -5,28 +5,31 @@ from __future__ import annotations
 import argparse
 
 from megatron_resil.arguments.errors import ArgumentError
+from megatron_resil.arguments.flag_table import Flag, add_flags
 
 KINDS = ("kill", "exception", "sigterm", "hang", "slow", "nan-loss", "spiky-loss", "crash-mid-save",
          "flip-weight")
 
 
+FLAGS = (
+    Flag("--inject-fault", None, str, choices=KINDS,
+         help="kill: SIGKILL itself; exception: raise; sigterm: signal itself; hang: stop making progress; "
+              "slow: sleep every iteration from then on; nan-loss: NaN loss at that iteration (with "
+              "--inject-fault-repeat: on every pass of it, reruns too); spiky-loss: that iteration's loss "
+              "x1000 (once: its rerun sees the true loss); crash-mid-save: die after writing the shards of "
+              "the first save at or after that iteration, before it is published; flip-weight: flip one bit "
+              "of one weight (the last weight matrix's largest element, in place: its data-parallel replicas "
+              "then differ)"),
+    Flag("--inject-fault-iteration", None, int, "the iteration at which the fault strikes (before it runs)"),
+    Flag("--inject-fault-ranks", "0", str, "comma-separated global ranks (default 0)"),
+    Flag("--inject-fault-slow-secs", 1.0, float),
+    Flag("--inject-fault-repeat",
+         help="strike again after a restart (default: once per job, remembered under --save)"),
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("fault injection (tests and drills)")
-    g.add_argument("--inject-fault", choices=KINDS, default=None,
-                   help="kill: SIGKILL itself; exception: raise; sigterm: signal itself; hang: stop "
-                        "making progress; slow: sleep every iteration from then on; nan-loss: NaN loss "
-                        "at that iteration (with --inject-fault-repeat: on every pass of it, reruns too); "
-                        "spiky-loss: that iteration's loss x1000 (once: its rerun sees "
-                        "the true loss); crash-mid-save: die after writing the shards of the first "
-                        "save at or after that iteration, before it is published; flip-weight: flip one "
-                        "bit of one weight (the last weight matrix's largest element, in place: its "
-                        "data-parallel replicas then differ)")
-    g.add_argument("--inject-fault-iteration", type=int, default=None,
-                   help="the iteration at which the fault strikes (before it runs)")
-    g.add_argument("--inject-fault-ranks", default="0", help="comma-separated global ranks (default 0)")
-    g.add_argument("--inject-fault-slow-secs", type=float, default=1.0)
-    g.add_argument("--inject-fault-repeat", action="store_true",
-                   help="strike again after a restart (default: once per job, remembered under --save)")
+    add_flags(parser, "fault injection (tests and drills)", FLAGS)
 
 
 def validate(args: argparse.Namespace, world_size: int) -> None:

@@ -7,28 +7,32 @@ import argparse
 import os
 
 from megatron_resil.arguments.errors import ArgumentError
+from megatron_resil.arguments.flag_table import Flag, add_flags
 
 # Set by ft_launcher in every worker: where the rank's monitor listens.
 RANK_MONITOR_SOCKET_ENV = "FT_RANK_MONITOR_IPC_SOCKET"
 
 
+FLAGS = (
+    Flag("--enable-ft-package",
+         help="report this rank's phases (sections setup, step, checkpointing) to ft_launcher's rank "
+              "monitor, which kills a rank stuck in one past its timeout so ft_launcher restarts the workers "
+              "from the newest checkpoint; needs ft_launcher"),
+    Flag("--calc-ft-timeouts",
+         help="calculate section timeouts from observed times (after the warm-up iterations, after each save "
+              "and at the end) and keep them in <save>/ft_state.json for the next run"),
+    Flag("--ft-num-warmup-iters", 5, int,
+         "the first N iterations of each process are not timed by the step section (they are slower); the "
+         "first step timeout is calculated after N timed ones"),
+    Flag("--ft-timeouts-floor-secs", 60.0, float,
+         "(ours) no calculated timeout, whether just calculated or loaded from ft_state.json, is used or "
+         "kept below this: a timeout calculated from a fast run (ms) would kill a slower next run's healthy "
+         "start"),
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("fault tolerance (NVRx ft_launcher)")
-    g.add_argument("--enable-ft-package", action="store_true",
-                   help="report this rank's phases (sections setup, step, checkpointing) to "
-                        "ft_launcher's rank monitor, which kills a rank stuck in one past its timeout so "
-                        "ft_launcher restarts the workers from the newest checkpoint; needs ft_launcher")
-    g.add_argument("--calc-ft-timeouts", action="store_true",
-                   help="calculate section timeouts from observed times (after the warm-up iterations, "
-                        "after each save and at the end) and keep them in <save>/ft_state.json for the "
-                        "next run")
-    g.add_argument("--ft-num-warmup-iters", type=int, default=5,
-                   help="the first N iterations of each process are not timed by the step section "
-                        "(they are slower); the first step timeout is calculated after N timed ones")
-    g.add_argument("--ft-timeouts-floor-secs", type=float, default=60.0,
-                   help="(ours) no calculated timeout, whether just calculated or loaded from "
-                        "ft_state.json, is used or kept below this: a timeout calculated from a fast "
-                        "run (ms) would kill a slower next run's healthy start")
+    add_flags(parser, "fault tolerance (NVRx ft_launcher)", FLAGS)
 
 
 def validate(args: argparse.Namespace, world_size: int) -> None:

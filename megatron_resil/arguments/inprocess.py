@@ -9,49 +9,53 @@ from __future__ import annotations
 import argparse
 
 from megatron_resil.arguments.errors import ArgumentError
+from megatron_resil.arguments.flag_table import Flag, add_flags
+
+FLAGS = (
+    Flag("--inprocess-restart",
+         help="an exception (or a soft timeout) on any rank restarts training on every rank inside the same "
+              "processes: process groups are rebuilt and the newest checkpoint is loaded"),
+    # Megatron's default is no limit: a fault that comes back from the newest checkpoint then restarts
+    # forever (Megatron-LM #5281). Ours is bounded; an explicit large value is still allowed.
+    Flag("--inprocess-max-iterations", 4, int,
+         "attempts allowed in all, the first one included (NVRx's RetryController); when they are used up "
+         "the run exits with code 8. Default 4 (Megatron: no limit)"),
+    Flag("--inprocess-monitor-thread-interval", 1.0, float,
+         "seconds between the monitor thread's checks for a failure on any rank"),
+    Flag("--inprocess-monitor-process-interval", 1.0, float,
+         "seconds between the monitor process's checks of this rank"),
+    Flag("--inprocess-progress-watchdog-interval", 1.0, float,
+         "seconds between the automatic progress timestamps of the training thread"),
+    Flag("--inprocess-heartbeat-interval", 30, float,
+         "seconds between heartbeats used to detect an unresponsive rank"),
+    Flag("--inprocess-soft-timeout", 60, float,
+         "seconds without progress after which a rank asks every rank to restart"),
+    Flag("--inprocess-hard-timeout", 90, float,
+         "seconds without progress after which a rank is terminated (needs an outer restart layer: the job "
+         "cannot continue in-process without it)"),
+    Flag("--inprocess-heartbeat-timeout", 60, float,
+         "seconds of missing heartbeats after which a rank counts as lost"),
+    Flag("--inprocess-barrier-timeout", 120, float,
+         "seconds for the wrapper's internal barriers between attempts"),
+    Flag("--inprocess-completion-timeout", 120, float,
+         "seconds for the barrier at which every rank reports completion"),
+    Flag("--inprocess-last-call-wait", 1, float,
+         "seconds to collect failures on other ranks before restarting, so concurrent failures are handled "
+         "by one restart"),
+    Flag("--inprocess-termination-grace-time", 1, float,
+         "seconds between SIGTERM and SIGKILL when the hard timeout terminates a rank"),
+    Flag("--inprocess-granularity", "node", str, choices=("node", "rank"),
+         help="node: a lost rank takes its whole node out of the job; rank: only itself"),
+    Flag("--inprocess-active-world-size", None, int,
+         "ranks that train (the rest would be a warm reserve; only the whole world size is supported). "
+         "Default: the world size"),
+    Flag("--inprocess-empty-cuda-cache",
+         help="release cached GPU memory between attempts (nothing to do on CPU)"),
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("in-process restart (NVRx inprocess.Wrapper)")
-    g.add_argument("--inprocess-restart", action="store_true",
-                   help="an exception (or a soft timeout) on any rank restarts training on every rank inside "
-                        "the same processes: process groups are rebuilt and the newest checkpoint is loaded")
-    # Megatron's default is no limit: a fault that comes back from the newest checkpoint then restarts
-    # forever (Megatron-LM #5281). Ours is bounded; an explicit large value is still allowed.
-    g.add_argument("--inprocess-max-iterations", type=int, default=4,
-                   help="attempts allowed in all, the first one included (NVRx's RetryController); when they "
-                        "are used up the run exits with code 8. Default 4 (Megatron: no limit)")
-    g.add_argument("--inprocess-monitor-thread-interval", type=float, default=1.0,
-                   help="seconds between the monitor thread's checks for a failure on any rank")
-    g.add_argument("--inprocess-monitor-process-interval", type=float, default=1.0,
-                   help="seconds between the monitor process's checks of this rank")
-    g.add_argument("--inprocess-progress-watchdog-interval", type=float, default=1.0,
-                   help="seconds between the automatic progress timestamps of the training thread")
-    g.add_argument("--inprocess-heartbeat-interval", type=float, default=30,
-                   help="seconds between heartbeats used to detect an unresponsive rank")
-    g.add_argument("--inprocess-soft-timeout", type=float, default=60,
-                   help="seconds without progress after which a rank asks every rank to restart")
-    g.add_argument("--inprocess-hard-timeout", type=float, default=90,
-                   help="seconds without progress after which a rank is terminated (needs an outer restart "
-                        "layer: the job cannot continue in-process without it)")
-    g.add_argument("--inprocess-heartbeat-timeout", type=float, default=60,
-                   help="seconds of missing heartbeats after which a rank counts as lost")
-    g.add_argument("--inprocess-barrier-timeout", type=float, default=120,
-                   help="seconds for the wrapper's internal barriers between attempts")
-    g.add_argument("--inprocess-completion-timeout", type=float, default=120,
-                   help="seconds for the barrier at which every rank reports completion")
-    g.add_argument("--inprocess-last-call-wait", type=float, default=1,
-                   help="seconds to collect failures on other ranks before restarting, so concurrent "
-                        "failures are handled by one restart")
-    g.add_argument("--inprocess-termination-grace-time", type=float, default=1,
-                   help="seconds between SIGTERM and SIGKILL when the hard timeout terminates a rank")
-    g.add_argument("--inprocess-granularity", choices=["node", "rank"], default="node",
-                   help="node: a lost rank takes its whole node out of the job; rank: only itself")
-    g.add_argument("--inprocess-active-world-size", type=int, default=None,
-                   help="ranks that train (the rest would be a warm reserve; only the whole world size is "
-                        "supported). Default: the world size")
-    g.add_argument("--inprocess-empty-cuda-cache", action="store_true",
-                   help="release cached GPU memory between attempts (nothing to do on CPU)")
+    add_flags(parser, "in-process restart (NVRx inprocess.Wrapper)", FLAGS)
 
 
 _POSITIVE = ("monitor_thread_interval", "monitor_process_interval", "progress_watchdog_interval",

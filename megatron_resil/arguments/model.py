@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 
+from megatron_resil.arguments import sizes
 from megatron_resil.arguments.device import cuda_available
 from megatron_resil.arguments.errors import ArgumentError
 from megatron_resil.arguments.flag_table import Flag, add_flags, warn
@@ -140,8 +141,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
         if getattr(args, flag) is None:
             raise ArgumentError(f"--{flag.replace('_', '-')} is required")
-        if getattr(args, flag) <= 0:
-            raise ArgumentError(f"--{flag.replace('_', '-')} must be positive")
+    sizes.check(args, sizes.MODEL)  # before any of them divides another or sizes a default
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.position_embedding_type == "learned_absolute" and args.seq_length > args.max_position_embeddings:
@@ -154,9 +154,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     if args.swiglu and args.squared_relu:
         raise ArgumentError("--swiglu and --squared-relu are two activations; pick one")
     if args.ffn_hidden_size is None:
-        # Megatron-LM's default: with swiglu's two input projections, 2/3 of 4h keeps the parameter count.
-        args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64 if args.swiglu \
-            else 4 * args.hidden_size
+        args.ffn_hidden_size = sizes.default_ffn_hidden_size(args.hidden_size, args.swiglu)
     if args.kv_channels is None:
         if args.hidden_size % args.num_attention_heads:
             raise ArgumentError(
@@ -195,12 +193,9 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     if args.cross_entropy_loss_fusion and args.cross_entropy_fusion_impl == "te":
         raise ArgumentError("--cross-entropy-fusion-impl te: Megatron-LM disabled Transformer Engine's fused "
                             "cross entropy (stability); use native")
-    if args.mtp_num_layers is not None:
-        if args.mtp_num_layers < 1:
-            raise ArgumentError("--mtp-num-layers must be positive")
-        if args.position_embedding_type not in ("rope", "none"):
-            raise ArgumentError(f"--mtp-num-layers needs --position-embedding-type rope or none, not "
-                                f"{args.position_embedding_type} (as in Megatron-LM)")
+    if args.mtp_num_layers is not None and args.position_embedding_type not in ("rope", "none"):
+        raise ArgumentError(f"--mtp-num-layers needs --position-embedding-type rope or none, not "
+                            f"{args.position_embedding_type} (as in Megatron-LM)")
 
 
 def _validate_mup(args: argparse.Namespace) -> None:

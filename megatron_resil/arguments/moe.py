@@ -4,8 +4,8 @@ Expert parallelism's layout is checked with the other parallel sizes (distribute
 from __future__ import annotations
 
 import argparse
-import re
 
+from megatron_resil.arguments import layer_pattern, sizes
 from megatron_resil.arguments.errors import ArgumentError
 from megatron_resil.arguments.flag_table import Flag, add_flags
 
@@ -13,24 +13,9 @@ TC = "TransformerConfig"
 KERNEL = "only selects a GPU kernel (same results)"
 DISPATCHERS = ("allgather", "alltoall")
 LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
-_PATTERN = re.compile(r"[\d\s\[\]()+*,]+")
-
-
-def moe_layer_freq(text: str) -> int | list[int]:
-    """Megatron-LM's --moe-layer-freq: N (one MoE layer every N layers) or a Python list expression of
-    0 (dense) and 1 (MoE), e.g. "([0]*3+[1]*12)". Only list arithmetic is evaluated."""
-    if "[" not in text:
-        return int(text)
-    if not _PATTERN.fullmatch(text):
-        raise ValueError(text)
-    pattern = eval(text, {"__builtins__": {}})  # digits, brackets, + and * only (checked above)
-    if not isinstance(pattern, list) or any(v not in (0, 1) for v in pattern):
-        raise ValueError(text)
-    return pattern
-
-
-moe_layer_freq.__name__ = "moe layer pattern"  # argparse names the type in its error line
-
+# Megatron-LM's --moe-layer-freq: N (one MoE layer every N layers) or a list expression of 0 (dense) and 1
+# (MoE) per layer, e.g. "([0]*3+[1]*12)", read without evaluating it.
+moe_layer_freq = layer_pattern.argument_type("moe layer pattern")
 
 FLAGS = (
     Flag("--num-experts", None, int, "experts per MoE layer (default: dense)", to=TC,
@@ -84,8 +69,9 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         value = getattr(args, name)
         if isinstance(value, list) and len(value) == 1:
             setattr(args, name, value[0])
-    if args.num_experts == 0:  # Megatron-LM: 0 means dense
+    if args.num_experts == 0:  # Megatron-LM: 0 means dense (a checkpoint's 0 is refused before this)
         args.num_experts = None
+    sizes.check(args, sizes.MOE)
     if args.num_experts is None:
         return
     if args.num_experts <= 1:

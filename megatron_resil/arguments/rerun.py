@@ -6,6 +6,7 @@ import argparse
 import os
 
 from megatron_resil.arguments.errors import ArgumentError
+from megatron_resil.arguments.flag_table import Flag, add_flags
 
 MODES = ("disabled", "validate_results", "report_determinism_stats")
 # Megatron-LM offers `report_stats` but passes it to RerunMode(), whose value is `report_determinism_stats`,
@@ -14,29 +15,30 @@ MEGATRON_STATS_SPELLING = "report_stats"
 INJECTION_TYPES = ("correct_result", "transient_error", "persistent_error")
 
 
+FLAGS = (
+    Flag("--rerun-mode", "validate_results", str, choices=(*MODES, MEGATRON_STATS_SPELLING),
+         help="validate_results: a rejected loss or grad norm reruns the step in place; after a fatal check "
+              "(NaN, Inf), reproduced: save and exit 16 (resume on another device), not reproduced: save and "
+              "exit 17; after a spike: continue. report_determinism_stats (or Megatron's report_stats): run "
+              "every step twice and report how much results vary. disabled: a rejected NaN or Inf raises"),
+    Flag("--error-injection-rate", 0, int, "drills: reject about 1 in N validated results (0: never)"),
+    Flag("--error-injection-type", None, str, choices=INJECTION_TYPES,
+         help="what an injected rejection behaves like on the reruns (default: transient_error)"),
+    Flag("--no-check-for-nan-in-loss-and-grad", True,
+         help="do not validate each microbatch loss and the local grad norm for NaN and Inf"),
+    Flag("--rerun-max-same-device-retries", 2, int,
+         "ours (Megatron has no bound): after a fault reproduced in place and exit 16, how many times the "
+         "job may resume on the same node and device and fail again; then it falls back to the newest "
+         "verified persistent checkpoint older than the diagnostic one, and if the fault reproduces from "
+         "there too it exits 8 (do not requeue). Counted in <save>/rerun_escape.json across restarts and "
+         "requeues"),
+    Flag("--check-for-spiky-loss",
+         help="reject a microbatch loss 10x above the largest of the job's first 100 (not fatal)"),
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("result validation (megatron-core's rerun state machine)")
-    g.add_argument("--rerun-mode", choices=[*MODES, MEGATRON_STATS_SPELLING], default="validate_results",
-                   help="validate_results: a rejected loss or grad norm reruns the step in place; after a "
-                        "fatal check (NaN, Inf), reproduced: save and exit 16 (resume on another device), "
-                        "not reproduced: save and exit 17; after a spike: continue. "
-                        "report_determinism_stats (or Megatron's report_stats): run every step twice and "
-                        "report how much results vary. disabled: a rejected NaN or Inf raises")
-    g.add_argument("--error-injection-rate", type=int, default=0,
-                   help="drills: reject about 1 in N validated results (0: never)")
-    g.add_argument("--error-injection-type", choices=INJECTION_TYPES, default=None,
-                   help="what an injected rejection behaves like on the reruns (default: transient_error)")
-    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
-                   action="store_false",
-                   help="do not validate each microbatch loss and the local grad norm for NaN and Inf")
-    g.add_argument("--rerun-max-same-device-retries", type=int, default=2,
-                   help="ours (Megatron has no bound): after a fault reproduced in place and exit 16, "
-                        "how many times the job may resume on the same node and device and fail again; "
-                        "then it falls back to the newest verified persistent checkpoint older than the "
-                        "diagnostic one, and if the fault reproduces from there too it exits 8 (do not "
-                        "requeue). Counted in <save>/rerun_escape.json across restarts and requeues")
-    g.add_argument("--check-for-spiky-loss", action="store_true",
-                   help="reject a microbatch loss 10x above the largest of the job's first 100 (not fatal)")
+    add_flags(parser, "result validation (megatron-core's rerun state machine)", FLAGS)
 
 
 def validate(args: argparse.Namespace, world_size: int) -> None:

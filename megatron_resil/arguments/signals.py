@@ -6,16 +6,20 @@ import argparse
 import signal
 
 from megatron_resil.arguments.errors import ArgumentError
+from megatron_resil.arguments.flag_table import Flag, add_flags
+
+FLAGS = (
+    Flag("--exit-signal-handler",
+         help="on --exit-signal, save a checkpoint at the end of the current iteration and exit"),
+    Flag("--exit-signal", "SIGTERM", str, "signal name, e.g. SIGTERM, SIGUSR1"),
+    Flag("--exit-signal-grace-secs", None, float,
+         "after the signal, force an exit if saving has not finished within this many seconds (the previous "
+         "checkpoint stays intact); default: no deadline"),
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("exit signal")
-    g.add_argument("--exit-signal-handler", action="store_true",
-                   help="on --exit-signal, save a checkpoint at the end of the current iteration and exit")
-    g.add_argument("--exit-signal", default="SIGTERM", help="signal name, e.g. SIGTERM, SIGUSR1")
-    g.add_argument("--exit-signal-grace-secs", type=float, default=None,
-                   help="after the signal, force an exit if saving has not finished within this many "
-                        "seconds (the previous checkpoint stays intact); default: no deadline")
+    add_flags(parser, "exit signal", FLAGS)
 
 
 def validate(args: argparse.Namespace, world_size: int) -> None:

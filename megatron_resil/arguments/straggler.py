@@ -6,33 +6,35 @@ from __future__ import annotations
 import argparse
 
 from megatron_resil.arguments.errors import ArgumentError
+from megatron_resil.arguments.flag_table import Flag, add_flags
+
+FLAGS = (
+    Flag("--log-straggler",
+         help="time each rank's own work per iteration and report slow ranks (stragglers)"),
+    Flag("--straggler-ctrlr-port", 65535, int,
+         "rank 0 listens on this TCP port: each connection (e.g. curl HOST:PORT) switches detection on or "
+         "off at the next report"),
+    Flag("--straggler-minmax-count", 1, int,
+         "how many worst and best ranks each report lists (all ranks when there are at most twice as many)"),
+    Flag("--disable-straggler-on-startup",
+         help="start with detection off; switch it on through --straggler-ctrlr-port"),
+    Flag("--straggler-report-interval", None, int,
+         "report every N iterations, one small all-gather each time (default: --log-interval, as Megatron "
+         "reports)"),
+    # Defaults are NVRx's (Report.identify_stragglers: gpu_rel_threshold, gpu_indiv_threshold = 0.75).
+    Flag("--straggler-relative-threshold", 0.75, float,
+         "a rank whose time is more than 1/T of the fastest rank's (score below T) is a straggler; 0 turns "
+         "this check off"),
+    Flag("--straggler-individual-threshold", 0.75, float,
+         "a rank whose time is more than 1/T of its own best so far is a straggler; 0 turns this check off"),
+    Flag("--straggler-stop-if-detected",
+         help="when a straggler is detected, save a checkpoint and exit with code 0, recorded as 'requeue' "
+              "in the event log, so the job can continue on other nodes"),
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("straggler detection")
-    g.add_argument("--log-straggler", action="store_true",
-                   help="time each rank's own work per iteration and report slow ranks (stragglers)")
-    g.add_argument("--straggler-ctrlr-port", type=int, default=65535,
-                   help="rank 0 listens on this TCP port: each connection (e.g. curl HOST:PORT) switches "
-                        "detection on or off at the next report")
-    g.add_argument("--straggler-minmax-count", type=int, default=1,
-                   help="how many worst and best ranks each report lists (all ranks when there are at "
-                        "most twice as many)")
-    g.add_argument("--disable-straggler-on-startup", action="store_true",
-                   help="start with detection off; switch it on through --straggler-ctrlr-port")
-    g.add_argument("--straggler-report-interval", type=int, default=None,
-                   help="report every N iterations, one small all-gather each time (default: "
-                        "--log-interval, as Megatron reports)")
-    # Defaults are NVRx's (Report.identify_stragglers: gpu_rel_threshold, gpu_indiv_threshold = 0.75).
-    g.add_argument("--straggler-relative-threshold", type=float, default=0.75,
-                   help="a rank whose time is more than 1/T of the fastest rank's (score below T) is a "
-                        "straggler; 0 turns this check off")
-    g.add_argument("--straggler-individual-threshold", type=float, default=0.75,
-                   help="a rank whose time is more than 1/T of its own best so far is a straggler; 0 "
-                        "turns this check off")
-    g.add_argument("--straggler-stop-if-detected", action="store_true",
-                   help="when a straggler is detected, save a checkpoint and exit with code 0, recorded "
-                        "as 'requeue' in the event log, so the job can continue on other nodes")
+    add_flags(parser, "straggler detection", FLAGS)
 
 
 def validate(args: argparse.Namespace, world_size: int) -> None:

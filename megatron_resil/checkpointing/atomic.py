@@ -46,14 +46,15 @@ def open_new(path: str, mode: str = "w"):
 
 
 def replace_file_text(path: str, text: str) -> None:
-    """Write a small file afresh: whatever is at `path` (a symlink someone planted, say) is unlinked,
-    never followed."""
+    """Write a small file afresh, in UTF-8 whatever the locale (a character it cannot encode, such as a
+    lone surrogate from a checkpoint's JSON, as a backslash escape): whatever is at `path` (a symlink
+    someone planted, say) is unlinked, never followed."""
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
-    with open_new(path) as f:
-        f.write(text)
+    with open_new(path, "wb") as f:
+        f.write(text.encode("utf-8", "backslashreplace"))
 
 
 def atomic_write_text(path: str, text: str) -> None:

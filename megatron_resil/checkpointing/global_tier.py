@@ -138,7 +138,8 @@ class GlobalTier(CheckpointTier):
     def verify(self, candidate: TierCandidate) -> str | None:
         path = candidate.path
         if os.path.islink(path):  # its files would be wherever the link points, outside this directory
-            return f"is a symlink to {os.readlink(path)}; a checkpoint is a directory of its own"
+            return f"is a symlink to {untrusted.escape_untrusted(os.readlink(path))}; a checkpoint is a " \
+                "directory of its own"
         if not os.path.isdir(path):
             return "directory missing"
         # Sizes and checksums would be of a link's target; a FIFO would block the first read of it.
@@ -195,7 +196,7 @@ class GlobalTier(CheckpointTier):
             return reason
         if backend == torch_format.FORMAT:
             return self._verify_torch_format(path)
-        return safe_load.check_checkpoint(path, backend)
+        return safe_load.check_checkpoint(path, backend, share)
 
     def _verify_torch_format(self, path: str) -> str | None:
         """Each rank reads its own files through the allow-list (and keeps them for the load). Without
@@ -205,11 +206,13 @@ class GlobalTier(CheckpointTier):
         if not parallel_state.model_parallel_is_initialized():
             every_file = self.verify_checksums
             return torch_format.reason_of(lambda: torch_format.check_all(path, every_file=every_file))
-        files = torch_format.RankFiles(path)
+        files = torch_format.RankFiles(path, self.max_rank_bytes)
         if not files.present():
             return NotForThisRun(f"it holds no {files.model_file} for this rank: saved under another "
                                  "parallel layout, and a --ckpt-format torch checkpoint loads only under the "
                                  "tensor-, pipeline- and expert-parallel sizes that saved it")
+        if (larger := files.larger_than_this_model()) is not None:  # not quarantined: maybe a larger model's
+            return NotForThisRun(larger)
         reason = torch_format.reason_of(files.read)
         if reason is None:
             self._rank_files = files
@@ -222,7 +225,7 @@ class GlobalTier(CheckpointTier):
             return self._rank_files
         if not torch_format.is_torch_checkpoint(candidate.path):
             return None
-        files = torch_format.RankFiles(candidate.path)
+        files = torch_format.RankFiles(candidate.path, self.max_rank_bytes)
         files.read()
         return files
 
@@ -244,7 +247,8 @@ class GlobalTier(CheckpointTier):
             is_link = os.path.islink(candidate.path)
             os.rename(candidate.path, target)  # a link is renamed itself; its target is left alone
             if not is_link:  # written into a link, the reason would land in the directory it points to
-                replace_file_text(os.path.join(target, "QUARANTINE_REASON.txt"), reason + "\n")
+                replace_file_text(os.path.join(target, "QUARANTINE_REASON.txt"),
+                                  untrusted.escape_untrusted(reason) + "\n")
             fsync_dir(self.root)
         except OSError as err:
             events.decision("quarantine", f"could not move {candidate.path} aside ({err.strerror or err}); "
@@ -609,6 +613,7 @@ def _sharded_backend(path: str) -> str | None:
 
 def _slug(reason: str) -> str:
     for word, slug in (("checksum", "checksum"), ("refused without reading", "oversized"),
+                       ("before torch.load", "oversized"),
                        ("symlink", "link"), ("FIFO", "not-a-file"), ("device", "not-a-file"),
                        ("socket", "not-a-file"), ("inside it", "outside"),
                        ("deep", "too-deep"), ("entries", "too-many"), ("unpickle", "unsafe"),

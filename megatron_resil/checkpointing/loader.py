@@ -1,7 +1,9 @@
 """Picks what to resume from: the first candidate, across tiers in order, that every rank verifies.
 
 Each rank verifies its part; one collective decides, so all ranks accept or all move on together
-and a load never diverges. Rank 0 logs one line per candidate with the verdict and its reason.
+and a load never diverges. Rank 0 logs one line per candidate with the verdict and its reason. A reason
+may quote the checkpoint (a file name, a manifest key): it is escaped (untrusted.escape_untrusted) before
+it is logged or written beside a quarantined candidate, so no name can stop the fallback.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from megatron_resil.checkpointing.tier import (
     NotForThisRun,
     TierCandidate,
 )
+from megatron_resil.checkpointing.untrusted import escape_untrusted
 
 
 class CheckpointLoadError(RuntimeError):
@@ -37,7 +40,7 @@ def _summarise(reasons: list[str | None]) -> str:
     bad = [(rank, r) for rank, r in enumerate(reasons) if r is not None]
     first_rank, first = bad[0]
     more = f" (and {len(bad) - 1} more rank(s))" if len(bad) > 1 else ""
-    return f"rank {first_rank}: {first}{more}"
+    return escape_untrusted(f"rank {first_rank}: {first}{more}")
 
 
 def _root_cause(err: BaseException) -> BaseException:
@@ -52,7 +55,7 @@ def _root_cause(err: BaseException) -> BaseException:
 def _one_line(err: BaseException) -> str:
     err = _root_cause(err)
     first_line = (str(err).splitlines() or [""])[0][:300]
-    return f"{type(err).__name__}: {first_line}"
+    return escape_untrusted(f"{type(err).__name__}: {first_line}")
 
 
 def newest_first(tiers: list[CheckpointTier], older_than: int | None = None):

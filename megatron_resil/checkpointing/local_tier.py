@@ -211,7 +211,8 @@ class LocalTier(CheckpointTier):
         return describe(self.root, iteration)
 
     def _read_copy(self, path: Path, iteration: int, owner: int) -> tuple[SealedShard | None, str | None]:
-        return read_copy(path, iteration, owner, checksums=self.verify_checksums)
+        return read_copy(path, iteration, owner, checksums=self.verify_checksums,
+                         max_bytes=self.max_rank_bytes)
 
     def verify(self, candidate: TierCandidate) -> str | None:
         """Collective (all ranks verify the same candidate in the same order). Each rank reads and
@@ -339,7 +340,8 @@ class LocalTier(CheckpointTier):
             for part in (path, Path(str(path) + MANIFEST_SUFFIX)):
                 if part.exists():
                     os.replace(part, target / part.name)
-            replace_file_text(str(target / (path.name + ".REASON.txt")), reason + "\n")
+            replace_file_text(str(target / (path.name + ".REASON.txt")),
+                              untrusted.escape_untrusted(reason) + "\n")
 
     # ---- save side -------------------------------------------------------------------------
     def _seal(self, sharded_state: dict, iteration: int) -> SealedShard:
@@ -506,15 +508,15 @@ def check_copy_cheaply(path: Path, iteration: int, owner: int) -> str | None:
     return None if size == meta["size"] else f"{size} bytes, its owner sealed {meta['size']}"
 
 
-def read_copy(path: Path, iteration: int, owner: int, *,
-              checksums: bool = True) -> tuple[SealedShard | None, str | None]:
-    """A copy of `owner`'s shard as found on disk, checked against the owner's manifest:
-    (shard, None) or (None, why)."""
+def read_copy(path: Path, iteration: int, owner: int, *, checksums: bool = True,
+              max_bytes: int | None = None) -> tuple[SealedShard | None, str | None]:
+    """A copy of `owner`'s shard as found on disk, checked against the owner's manifest: (shard, None) or
+    (None, why). It is read whole into memory: `max_bytes` bounds it (what this run's state can take)."""
     meta, why = read_manifest(path, iteration, owner)
     if why is not None:
         return None, why
     try:
-        payload = read_payload(path)
+        payload = read_payload(path, max_bytes)
     except untrusted.CheckpointDataError as err:
         return None, str(err)
     except OSError as err:

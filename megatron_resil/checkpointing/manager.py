@@ -99,6 +99,7 @@ class CheckpointManager:
                 tier.content_metadata = state.sharding_metadata(
                     args, for_local_tier=isinstance(tier, LocalTier),
                     ckpt_format=tier.ckpt_format if isinstance(tier, GlobalTier) else "torch_dist")
+                tier.max_rank_bytes = state.max_rank_bytes(model)
         self.canary = LoadCanary(config.canary_iters)
         self.async_saves = None
         if config.async_save:
@@ -165,6 +166,7 @@ class CheckpointManager:
         tier = GlobalTier(self.config.load, verify_checksums=self.config.verify_checksums,
                           verify_integrity=self.config.verify_integrity, strictness=self.config.strictness)
         tier.content_metadata = state.sharding_metadata(self.args)
+        tier.max_rank_bytes = state.max_rank_bytes(self.model)
         tier.read_only = not _same_dir(self.config.load, self.config.save)
         return tier
 

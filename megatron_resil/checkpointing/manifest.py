@@ -150,25 +150,26 @@ def check_manifest(directory: str, manifest: dict, iteration: int | None, *, sha
     sha256 = sha256 or {}
     index, count = share
     for position, (rel, entry) in enumerate(sorted(manifest["files"].items())):
+        shown = untrusted.escape_untrusted(rel)  # a name the manifest chose
         try:
             size, algorithm, crc = _size_and_crc(entry)
         except (KeyError, TypeError, ValueError):
-            return f"manifest entry for {rel} unparsable"
+            return f"manifest entry for {shown} unparsable"
         if not os.path.lexists(os.path.join(directory, rel)) and untrusted.is_plain_relative(rel):
-            return f"file {rel} missing"
+            return f"file {shown} missing"
         try:  # the manifest names the files: each must lie inside, reached through no link
             full = untrusted.inside(directory, rel)
         except untrusted.UntrustedPathError as err:
             return str(err)
         actual = os.path.getsize(full)
         if actual != size:
-            return f"file {rel} has {actual} bytes, manifest says {size}"
+            return f"file {shown} has {actual} bytes, manifest says {size}"
         expected_sha = sha256.get(rel)
         if checksums and (crc is not None or expected_sha is not None) and position % count == index:
             actual_crc, actual_sha = file_digests(full, algorithm if crc is not None else None,
                                                   sha256=expected_sha is not None)
             if crc is not None and actual_crc != crc:
-                return (f"file {rel} fails its checksum ({algorithm} {actual_crc:08x}, "
+                return (f"file {shown} fails its checksum ({algorithm} {actual_crc:08x}, "
                         f"manifest says {crc:08x})")
             if expected_sha is not None and actual_sha != expected_sha:
                 return megatron_integrity.mismatch(rel, actual_sha, expected_sha)

@@ -8,7 +8,8 @@ one entry per top-level regular file then present except itself, sorted by name.
 `--verify-integrity`, stops on a checkpoint without one, on any algorithm but sha256 (absent means
 sha256), on a listed file missing or unreadable, and on a digest that differs from the lowercase hex
 of the file's SHA-256; files it does not list are not checked. Rank 0 does all of it there; here the
-ranks split the hashing.
+ranks split the hashing. A name is quoted in a reason only escaped (a key of "\\ud800" is valid JSON that
+no encoder can print).
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ def read_integrity_manifest(directory: str) -> tuple[dict[str, str] | None, str 
 
 
 def mismatch(name: str, actual: str, expected: str) -> str:
-    return f"{WHAT}: {name} fails its SHA-256 checksum (got {actual[:16]}..., it says {expected[:16]}...)"
+    return (f"{WHAT}: {untrusted.escape_untrusted(name)} fails its SHA-256 checksum (got {actual[:16]}..., "
+            f"it says {expected[:16]}...)")
 
 
 def verify_integrity_manifest(directory: str, files: Mapping[str, str], *, share: tuple[int, int] = (0, 1),
@@ -113,7 +115,7 @@ def verify_integrity_manifest(directory: str, files: Mapping[str, str], *, share
     index, count = share
     for position, (name, expected) in enumerate(sorted(files.items())):
         if untrusted.is_plain_relative(name) and not os.path.lexists(os.path.join(directory, name)):
-            return f"{WHAT} lists {name}, which is missing"
+            return f"{WHAT} lists {untrusted.escape_untrusted(name)}, which is missing"
         try:  # a name from the checkpoint: inside it, through no link, a regular file
             full = untrusted.inside(directory, name)
         except untrusted.UntrustedPathError as err:

@@ -25,7 +25,8 @@ whose construction acts on the process (torch's `DeviceMesh` starts a process gr
 nested-tensor rebuild build device objects; `io.BytesIO` carries bytes that Transformer Engine unpickles
 in full later), so each read admits only the registered classes a checkpoint needs, and a layer's
 `_extra_state` bytes are themselves unpickled through an allow-list before anything else sees them.
-Every file is opened through `untrusted` (inside the checkpoint, regular, bounded in size).
+Every file is opened through `untrusted` (inside the checkpoint, regular, bounded in size), and a zip
+archive is read only if it cannot take more memory than its size (torch_archive: no compressed entry).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import io
+import itertools
 import os
 import pickle
 import re
@@ -45,7 +47,8 @@ from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAM
 from torch.distributed.checkpoint import default_planner, filesystem
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-from megatron_resil.checkpointing import untrusted
+from megatron_resil.checkpointing import torch_archive, untrusted
+from megatron_resil.checkpointing.manifest import MANIFEST_NAME
 from megatron_resil.checkpointing.tier import CheckpointDataError
 from megatron_resil.module_files import module_path
 
@@ -174,8 +177,11 @@ def _absent_from_megatron_core(wanted: str) -> bool:
 def load_weights_only(file, name: str, extra: tuple = ()):
     """torch.load with weights_only=True (explicitly, so TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD cannot turn it
     off) and only the classes a checkpoint needs (plus `extra`), a refusal as UnsafeCheckpointError. A
-    megatron-core class the installed megatron-core lacks is read as an AbsentUpstreamValue, said once."""
+    megatron-core class the installed megatron-core lacks is read as an AbsentUpstreamValue, said once.
+    A zip archive is first checked to take no more memory than its size (torch_archive)."""
     start = file.tell() if hasattr(file, "seek") else None
+    if start is not None:
+        torch_archive.check(file, name)
     absent: dict[str, type] = {}
     while True:
         try:
@@ -359,9 +365,12 @@ def read_legacy_common(checkpoint_dir) -> dict:
     return _read_common_pt(os.path.join(str(checkpoint_dir), COMMON_STATE_FNAME))
 
 
-def _check_items(path: str, metadata: Metadata) -> None:
+def _check_items(path: str, metadata: Metadata, share: tuple[int, int]) -> None:
     """Every storage entry of `.metadata` names a regular file inside `path` and a byte range within
-    it, checked before any of them is read; then every byte item is read through the allow-lists."""
+    it, read as stored (no DCP transform: a decompressing one is unbounded), checked before any of them is
+    read; then every byte item is read through the allow-lists, and the tensor items in this caller's
+    `share` = (index, count) of the files have their archives checked (torch_archive): DCP torch.load's
+    each whole."""
     sizes: dict[str, int] = {}
     for index, stored in metadata.storage_data.items():
         relative = getattr(stored, "relative_path", None)
@@ -374,23 +383,49 @@ def _check_items(path: str, metadata: Metadata) -> None:
             raise untrusted.UntrustedPathError(
                 f"{os.path.join(path, relative)}: item {index.fqn} is said to lie at bytes {offset}+{length} "
                 f"of a file of {sizes[relative]}")
-    for index, stored in metadata.storage_data.items():
-        if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+        if getattr(stored, "transform_descriptors", None):
+            raise untrusted.UntrustedPathError(
+                f"{os.path.join(path, relative)}: item {index.fqn} is stored through DCP's transforms "
+                f"{stored.transform_descriptors!r}, which no checkpoint of torch_dist or megatron-core uses; "
+                "refused before anything decompresses it")
+    # A rank checks the tensor items of the files that are its share of the manifest's checksums (the same
+    # order), so it opens no file it would not read anyway; every rank reads every byte item.
+    mine, ranks = share
+    order = [name for name in untrusted.regular_files(path) if name != MANIFEST_NAME]
+    ours = {name for position, name in enumerate(order) if position % ranks == mine}
+    for relative, entries in itertools.groupby(sorted(metadata.storage_data.items(), key=_by_place),
+                                               key=lambda entry: entry[1].relative_path):
+        objects, tensors = [], []
+        for index, stored in entries:
+            if isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+                objects.append((index, stored))
+            elif relative in ours:
+                tensors.append((index, stored))
+        if not objects and not tensors:
             continue
-        file = os.path.join(path, stored.relative_path)
-        if stored.length > untrusted.MAX_OBJECT_BYTES:
-            raise untrusted.OversizedFileError(
-                f"{file}: item {index.fqn} has {stored.length} bytes, more than any object item can have "
-                f"({untrusted.MAX_OBJECT_BYTES}); refused without reading it")
+        file = os.path.join(path, relative)
         with untrusted.open_regular(file) as f:
-            f.seek(stored.offset)
-            load_object_item(io.BytesIO(f.read(stored.length)), f"{file} (item {index.fqn})", index.fqn)
+            for index, stored in objects:
+                if stored.length > untrusted.MAX_OBJECT_BYTES:
+                    raise untrusted.OversizedFileError(
+                        f"{file}: item {index.fqn} has {stored.length} bytes, more than any object item can "
+                        f"have ({untrusted.MAX_OBJECT_BYTES}); refused without reading it")
+                f.seek(stored.offset)
+                load_object_item(io.BytesIO(f.read(stored.length)), f"{file} (item {index.fqn})", index.fqn)
+            for index, stored in tensors:
+                torch_archive.check_item(f, stored.offset, stored.length, f"{file} (item {index.fqn})")
 
 
-def check_checkpoint(path: str, backend: str = "torch_dist") -> str | None:
+def _by_place(item) -> tuple[str, int]:
+    """A storage entry's file and offset: one order on every rank, and each file read front to back."""
+    return item[1].relative_path, item[1].offset
+
+
+def check_checkpoint(path: str, backend: str = "torch_dist", share: tuple[int, int] = (0, 1)) -> str | None:
     """Reads every pickled object of a checkpoint through the allow-lists, without loading any tensor,
-    after checking that every file it names lies inside it: None if all of it is plain data, else the
-    refusal (the first file and class) or why it is unreadable."""
+    after checking that every file it names lies inside it, and checks the tensor items' archives in this
+    caller's `share` = (index, count) of its files: None if all of it is plain data, else the refusal (the
+    first file and class) or why it is unreadable."""
     try:
         if backend != "torch_dist":  # zarr: common.pt and the sharded objects' .pt files
             for relative in untrusted.regular_files(path):
@@ -406,7 +441,7 @@ def check_checkpoint(path: str, backend: str = "torch_dist") -> str | None:
             metadata = load_metadata(f, metadata_path)
         if os.path.lexists(os.path.join(path, COMMON_STATE_FNAME)):
             CommonLoadWeightsOnly().load_common(path)
-        _check_items(path, metadata)
+        _check_items(path, metadata, share)
     except CheckpointDataError as err:
         return str(err)
     except (OSError, EOFError, pickle.UnpicklingError, RuntimeError, ValueError, TypeError,

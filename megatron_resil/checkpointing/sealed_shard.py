@@ -7,8 +7,9 @@ computed by the owner verifies all of them, at rest and after every transfer. (N
 tensors and each holder pickles them again, so a copy could never be checked against its owner.) With
 --async-save the sealing is done by the owner's background worker, from the state its trainer staged.
 
-Reading a shard unpickles it with `torch.load(weights_only=True)` and only megatron-core's three
-checkpoint classes allowed, and only after its checksum matched: a local checkpoint directory is
+Reading a shard unpickles it with `torch.load(weights_only=True)` (its archive first checked to hold no
+compressed entry: safe_load, torch_archive) and only megatron-core's three checkpoint classes allowed, and
+only after its checksum matched: a local checkpoint directory is
 node-local scratch space, and nothing found there runs code. A layer's `_extra_state` is checked inside
 too, before anything loads it: Transformer Engine's set_extra_state unpickles those bytes with plain pickle.
 """
@@ -72,9 +73,10 @@ class _BufferReader(io.RawIOBase):
         return self._pos
 
 
-def read_payload(path) -> torch.Tensor:
-    """A file's bytes as a uint8 tensor, read once into memory of its own."""
-    with untrusted.open_regular(str(path)) as f:  # a FIFO planted in the local directory must not block
+def read_payload(path, max_bytes: int | None = None) -> torch.Tensor:
+    """A file's bytes (at most `max_bytes`) as a uint8 tensor, read once into memory of its own."""
+    # A FIFO planted in the local directory must not block; a sparse file of a terabyte must not be read.
+    with untrusted.open_regular(str(path), max_bytes, "local shard") as f:
         buffer = bytearray(os.fstat(f.fileno()).st_size)
         view, done = memoryview(buffer), 0
         while done < len(buffer) and (n := f.readinto(view[done:])):

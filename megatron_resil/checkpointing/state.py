@@ -188,6 +188,21 @@ def _torch_format_state(model: list, optimizer, scheduler, progress: TrainProgre
     return state
 
 
+# What one parameter can take in a rank's whole-state file (--ckpt-format torch's files, a local shard): its
+# value (at most 4 bytes) and the optimizer's fp32 main copy and two moments, 16 bytes; twice that, for
+# optimizers and layouts that keep more. Plus the rest: arguments, RNG and scheduler state, extra states and
+# the archive's own headers.
+_BYTES_PER_PARAMETER = 32
+_BYTES_BESIDE_PARAMETERS = 256 << 20
+
+
+def max_rank_bytes(model: list) -> int:
+    """The most bytes a file of one rank's state for `model` (this rank's chunks) can hold: a larger one
+    was saved for a larger model, or is no checkpoint at all, and is not read into memory."""
+    parameters = sum(p.numel() for chunk in model for p in chunk.parameters())
+    return parameters * _BYTES_PER_PARAMETER + _BYTES_BESIDE_PARAMETERS
+
+
 def check_format(saved_args) -> None:
     """Refuse, with what to do, a checkpoint whose optimizer and RNG state we can no longer read."""
     if isinstance(saved_args, dict):  # before 0.2 we saved the args as a plain dict

@@ -54,6 +54,9 @@ class CheckpointTier(ABC):
     supports_async_save = False  # True where save_async is implemented
     # How the state this tier saves is sharded (state.sharding_metadata), set by the checkpoint manager.
     content_metadata: dict | None = None
+    # The most bytes one rank's whole-state file of this run can hold (state.max_rank_bytes), set by the
+    # checkpoint manager from the model; None where no model is known (the ckpt tool, --use-checkpoint-args).
+    max_rank_bytes: int | None = None
 
     @abstractmethod
     def candidates(self) -> list[TierCandidate]:

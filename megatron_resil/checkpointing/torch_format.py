@@ -12,6 +12,9 @@ data-parallel size.
 Every read is torch.load(weights_only=True) through safe_load's allow-list and untrusted's bounded,
 no-link readers; megatron-core's own load_parameter_state (a torch.load of a path, the unpickler left to
 torch's default) is never called: the state is read here and handed to its load_parameter_state_from_dp_zero.
+A rank's files are read whole into memory, so a training run reads none larger than its model's state can be
+(`max_bytes`, from state.max_rank_bytes); a larger one is passed over, not quarantined: it may be a good
+checkpoint of a larger model.
 """
 
 from __future__ import annotations
@@ -155,11 +158,11 @@ def save_rank_files(staging: str, state: dict) -> dict:
     return checksum_files(staging, written)
 
 
-def read_file(path: str):
-    """A file of this format, weights-only through the allow-list. Transformer Engine's extra state may come
-    as a BytesIO (older TE): admitted only under a `._extra_state` key and checked inside, as safe_load does
-    for torch_dist."""
-    with untrusted.open_regular(path, what=os.path.basename(path)) as f:
+def read_file(path: str, max_bytes: int | None = None):
+    """A file of this format (at most `max_bytes` long), weights-only through the allow-list. Transformer
+    Engine's extra state may come as a BytesIO (older TE): admitted only under a `._extra_state` key and
+    checked inside, as safe_load does for torch_dist."""
+    with untrusted.open_regular(path, max_bytes, what=os.path.basename(path)) as f:
         loaded = safe_load.load_weights_only(f, path, extra=(io.BytesIO,))
     _check_bytes_objects(loaded, path, "")
     return loaded
@@ -184,9 +187,10 @@ class RankFiles:
     distrib_optim.pt, each through `read_file`. Read at verification (which is what vets their pickles) and
     kept for the load that follows."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, max_bytes: int | None = None) -> None:
         self.path = path
         self.directory = this_rank_dir()
+        self.max_bytes = max_bytes  # what this run's model can fill; None: no bound but the file's size
         self.state: dict | None = None
         self.parameters = None
 
@@ -197,14 +201,31 @@ class RankFiles:
     def present(self) -> bool:
         return os.path.lexists(os.path.join(self.path, self.model_file))
 
+    def _to_read(self) -> list[str]:
+        optimizer_file = f"{self.directory}/{OPTIMIZER_FILE}"
+        if _reads_parameter_state() and os.path.lexists(os.path.join(self.path, optimizer_file)):
+            return [self.model_file, optimizer_file]
+        return [self.model_file]
+
+    def larger_than_this_model(self) -> str | None:
+        """Why a file this rank would read is larger than this run's model can fill, or None."""
+        if self.max_bytes is None:
+            return None
+        for relative in self._to_read():
+            size = os.lstat(os.path.join(self.path, relative)).st_size
+            if size > self.max_bytes:
+                return (f"{relative} has {size} bytes, more than this run's model and optimizer state can "
+                        f"take ({self.max_bytes}); saved for a larger model, or no checkpoint: not read")
+        return None
+
     def read(self) -> None:
-        state = read_file(untrusted.inside(self.path, self.model_file))
+        model_file, *optimizer_file = self._to_read()
+        state = read_file(untrusted.inside(self.path, model_file), self.max_bytes)
         if not isinstance(state, dict):
             raise CheckpointDataError(f"{os.path.join(self.path, self.model_file)} holds a "
                                       f"{type(state).__name__}, not a checkpoint's state dict")
-        optimizer_file = f"{self.directory}/{OPTIMIZER_FILE}"
-        if _reads_parameter_state() and os.path.lexists(os.path.join(self.path, optimizer_file)):
-            self.parameters = read_file(untrusted.inside(self.path, optimizer_file))
+        if optimizer_file:
+            self.parameters = read_file(untrusted.inside(self.path, optimizer_file[0]), self.max_bytes)
         self.state = state
 
     def has_parameter_state(self) -> bool:

@@ -6,7 +6,9 @@ manifest names files, zarr names arrays), so whoever wrote the checkpoint choose
 with an absolute second part returns that part, and `..` climbs out. `inside()` is the one rule for all
 of them: a relative path of plain names, resolved without following any link, ending at a regular file.
 `open_regular()` never blocks on a FIFO or a device and refuses a file larger than its kind may be;
-`find_irregular()` and `remove_tree()` walk a tree of any depth without recursion.
+`find_irregular()`, `tree_size()` and `remove_tree()` walk a tree of any depth without recursion.
+Names and strings a checkpoint chose are shown through `escape_untrusted()`, so no message that quotes one
+can fail to print or span lines.
 """
 
 from __future__ import annotations
@@ -33,6 +35,27 @@ MAX_SMALL_FILE_BYTES = 64 << 20
 # and thread (torch_dist) or per chunk (zarr): beyond these it is not a checkpoint of ours or Megatron-LM's.
 MAX_DEPTH = 32
 MAX_ENTRIES = 1_000_000
+
+
+def escape_untrusted(text) -> str:
+    """`text` (a name or string a checkpoint chose) with every character a terminal or log would not show
+    as itself written as an escape: control characters (a newline would forge a line), lone surrogates
+    (JSON can hold them, no encoder writes them), format and unassigned characters; a byte of a file name
+    that is not UTF-8 (Python's surrogateescape) as `\\xNN`. Printable text is left alone, so escaping
+    twice changes nothing."""
+    text = str(text)
+    if text.isprintable():
+        return text
+    return "".join(char if char.isprintable() else _escaped(char) for char in text)
+
+
+def _escaped(char: str) -> str:
+    code = ord(char)
+    if 0xDC80 <= code <= 0xDCFF:  # os.listdir's stand-in for an undecodable byte of a name
+        return f"\\x{code - 0xDC00:02x}"
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
 class UntrustedPathError(CheckpointDataError):
@@ -62,8 +85,9 @@ def inside(root: str, relative: str, shown_as: str | None = None) -> str:
     """`root`/`relative` if `relative` names a regular file inside `root` through real directories only;
     else UntrustedPathError naming it. Nothing is opened."""
     if not is_plain_relative(relative):
-        raise UntrustedPathError(f"{root}: the checkpoint names {shown_as or relative!r}, which is not a "
-                                 "path inside it; a checkpoint only refers to its own files")
+        named = escape_untrusted(shown_as or repr(relative))
+        raise UntrustedPathError(f"{root}: the checkpoint names {named}, which is not a path inside it; a "
+                                 "checkpoint only refers to its own files")
     parts = relative.split("/")
     path = root
     for position, part in enumerate(parts):
@@ -71,10 +95,12 @@ def inside(root: str, relative: str, shown_as: str | None = None) -> str:
         try:
             mode = os.lstat(path).st_mode
         except FileNotFoundError:
-            raise UntrustedPathError(f"{path} is missing (named by the checkpoint)") from None
+            raise UntrustedPathError(f"{escape_untrusted(path)} is missing (named by the checkpoint)") \
+                from None
         last = position == len(parts) - 1
         if (last and not stat.S_ISREG(mode)) or (not last and not stat.S_ISDIR(mode)):
-            raise UntrustedPathError(f"{path} is {_kind(mode)}; a checkpoint is plain files and directories")
+            raise UntrustedPathError(f"{escape_untrusted(path)} is {_kind(mode)}; a checkpoint is plain "
+                                     "files and directories")
     return path
 
 
@@ -85,15 +111,17 @@ def open_regular(path: str, max_bytes: int | None = None, what: str = "file"):
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as err:
         if err.errno == errno.ELOOP:
-            raise UntrustedPathError(f"{path} is a symlink; a checkpoint is plain files") from None
+            raise UntrustedPathError(f"{escape_untrusted(path)} is a symlink; a checkpoint is plain files") \
+                from None
         raise
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise UntrustedPathError(f"{path} is {_kind(info.st_mode)}; a checkpoint is plain files")
+            raise UntrustedPathError(f"{escape_untrusted(path)} is {_kind(info.st_mode)}; a checkpoint is "
+                                     "plain files")
         if max_bytes is not None and info.st_size > max_bytes:
-            raise OversizedFileError(f"{path} has {info.st_size} bytes, more than any {what} can have "
-                                     f"({max_bytes}); refused without reading it")
+            raise OversizedFileError(f"{escape_untrusted(path)} has {info.st_size} bytes, more than any "
+                                     f"{what} can have ({max_bytes}); refused without reading it")
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
         return os.fdopen(fd, "rb")
     except BaseException:
@@ -108,9 +136,13 @@ def read_text(path: str, max_bytes: int = MAX_SMALL_FILE_BYTES, what: str = "sma
         return f.read().decode()
 
 
-def find_irregular(directory: str) -> str | None:
-    """Why `directory` is not a tree of plain files and directories (a symlink, a FIFO, a device or
-    socket anywhere, or more depth or entries than a checkpoint has), or None. Follows no link."""
+class _Beyond(UntrustedPathError):
+    """A tree deeper, or with more entries, than any checkpoint."""
+
+
+def _walk(directory: str):
+    """(relative name, lstat result) of every entry under `directory`, without recursion and following no
+    link; raises _Beyond past MAX_DEPTH or MAX_ENTRIES, OSError where a directory cannot be read."""
     pending = [("", 0)]
     seen = 0
     while pending:
@@ -119,32 +151,49 @@ def find_irregular(directory: str) -> str | None:
             for entry in entries:
                 seen += 1
                 if seen > MAX_ENTRIES:
-                    return f"holds more than {MAX_ENTRIES} entries; no checkpoint has that many"
+                    raise _Beyond(f"holds more than {MAX_ENTRIES} entries; no checkpoint has that many")
                 name = f"{relative}/{entry.name}" if relative else entry.name
-                mode = entry.stat(follow_symlinks=False).st_mode
-                if stat.S_ISDIR(mode):
+                info = entry.stat(follow_symlinks=False)
+                if stat.S_ISDIR(info.st_mode):
                     if depth + 1 >= MAX_DEPTH:
-                        return f"{name} lies more than {MAX_DEPTH} directories deep; no checkpoint does"
+                        raise _Beyond(f"{escape_untrusted(name)} lies more than {MAX_DEPTH} directories "
+                                      "deep; no checkpoint does")
                     pending.append((name, depth + 1))
-                elif not stat.S_ISREG(mode):
-                    return f"holds {_kind(mode)}, {name}; a checkpoint is plain files"
+                yield name, info
+
+
+def find_irregular(directory: str) -> str | None:
+    """Why `directory` is not a tree of plain files and directories (a symlink, a FIFO, a device or
+    socket anywhere, or more depth or entries than a checkpoint has), or None. Follows no link."""
+    try:
+        for name, info in _walk(directory):
+            if not stat.S_ISDIR(info.st_mode) and not stat.S_ISREG(info.st_mode):
+                return f"holds {_kind(info.st_mode)}, {escape_untrusted(name)}; a checkpoint is plain files"
+    except _Beyond as err:
+        return str(err)
     return None
+
+
+def tree_size(directory: str) -> tuple[int, str | None]:
+    """(bytes in the regular files under `directory`, None), for a listing; where the count stopped short
+    (a directory that cannot be read, more depth or entries than a checkpoint has), why, in place of None.
+    A link (a dangling one too) is only a name here."""
+    total = 0
+    try:
+        for _, info in _walk(directory):
+            if stat.S_ISREG(info.st_mode):
+                total += info.st_size
+    except _Beyond as err:
+        return total, f"{err}: not all counted"
+    except OSError as err:
+        return total, f"unreadable ({err.strerror}): not all counted"
+    return total, None
 
 
 def regular_files(directory: str) -> list[str]:
     """Every regular file under `directory` (relative names, sorted), after `find_irregular` found
     nothing else there."""
-    found, pending = [], [""]
-    while pending:
-        relative = pending.pop()
-        with os.scandir(os.path.join(directory, relative) if relative else directory) as entries:
-            for entry in entries:
-                name = f"{relative}/{entry.name}" if relative else entry.name
-                if entry.is_dir(follow_symlinks=False):
-                    pending.append(name)
-                elif entry.is_file(follow_symlinks=False):
-                    found.append(name)
-    return sorted(found)
+    return sorted(name for name, info in _walk(directory) if stat.S_ISREG(info.st_mode))
 
 
 def remove_tree(path: str) -> None:

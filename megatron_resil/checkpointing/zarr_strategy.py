@@ -420,3 +420,15 @@ def register() -> None:
         return
     register_default_strategy(StrategyAction.LOAD_SHARDED, BACKEND, VERSION, ZarrLoadShardedStrategy())
     register_default_strategy(StrategyAction.SAVE_SHARDED, BACKEND, VERSION, ZarrSaveShardedStrategy())
+
+
+def declared_elements(checkpoint_dir: str) -> int:
+    """The elements all arrays of a checkpoint declare in their zarr.json (checked as check_metadata
+    checks them): what --use-checkpoint-args compares a model's size with before building it."""
+    root = os.path.abspath(checkpoint_dir)
+    total = 0
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name, "zarr.json")
+        if os.path.isfile(path):
+            total += math.prod(_read_array_metadata(root, path)["shape"])
+    return total

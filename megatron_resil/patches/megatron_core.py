@@ -375,6 +375,55 @@ def _rerun_classes_loadable_weights_only() -> None:
     torch.serialization.add_safe_globals([getattr(rerun_state_machine, name) for name in _RERUN_CLASSES])
 
 
+# ---- the rerun state machine as rerun.py drives it --------------------------------------------------------
+
+_MACHINE = f"{_RERUN}:RerunStateMachine"
+
+
+def _rerun_validations_reported() -> None:
+    from megatron.core.rerun_state_machine import RerunStateMachine
+
+    from megatron_resil import rerun
+
+    validate = RerunStateMachine.validate_result
+
+    @functools.wraps(validate)
+    def validate_result(self, result, rejection_func, message, comparison_func=None, tolerance=0.0,
+                        fatal=True):
+        return rerun.report_validation(functools.partial(validate, self), result, rejection_func, message,
+                                       comparison_func, tolerance, fatal)
+
+    RerunStateMachine.validate_result = validate_result
+
+
+def _rerun_report_left_to_rerun_py() -> None:
+    from megatron.core.rerun_state_machine import RerunStateMachine
+
+    def _maybe_report_stats(self) -> None:
+        """rerun.StepValidation reports the determinism statistics (its _report_stats)."""
+
+    RerunStateMachine._maybe_report_stats = _maybe_report_stats
+
+
+def _reports_determinism_stats(args) -> bool:
+    return args is None or getattr(args, "rerun_mode", None) in ("report_determinism_stats", "report_stats")
+
+
+def _rerun_fresh_step_forgets_the_last_rejection() -> None:
+    from megatron.core.rerun_state_machine import RerunState, RerunStateMachine
+
+    should_run = RerunStateMachine.should_run_forward_backward
+
+    @functools.wraps(should_run)
+    def should_run_forward_backward(self, data_iterator):
+        if self.state == RerunState.NOT_RUNNING_YET:  # a fresh step, not one resumed for a rerun
+            self.failed_validation_call = None
+            self.initial_result = None
+        return should_run(self, data_iterator)
+
+    RerunStateMachine.should_run_forward_backward = should_run_forward_backward
+
+
 # ---- the optimizer's state matched to FSDP2's parameters ------------------------------------------------
 
 _DIST_OPTIMIZER_CKPT = "megatron.core.dist_checkpointing.optimizer"
@@ -659,18 +708,45 @@ PATCHES = (
         not_needed=_no_common_load_strategy, not_needed_on=">=0.19",
     ),
     Patch(
-        name="rerun state machine hooks",
+        name="rerun state machine's validations reported to the step",
         package=PACKAGE, written_for=WRITTEN_FOR,
-        target=f"{_RERUN}:RerunStateMachine._maybe_report_stats",
-        why="rerun.py replaces, on the machine it creates, validate_result (to learn what was rejected on "
-            "which rank) and the private _maybe_report_stats (0.16.1's reads Caller.filename, which Caller "
-            "lacks: AttributeError at the first determinism report)",
-        checks=(
-            Takes(f"{_RERUN}:RerunStateMachine.validate_result",
-                  ("self", "result", "rejection_func", "message", "comparison_func", "tolerance", "fatal")),
-            Takes(f"{_RERUN}:RerunStateMachine._maybe_report_stats", ("self",)),
-            Says(f"{_RERUN}:RerunStateMachine", "self._maybe_report_stats()"),
-        ),
+        target=f"{_MACHINE}.validate_result",
+        why="rerun.py's one line for a rejected step says what was rejected on which rank, with the value "
+            "and the rerun's; megatron-core says it only in its own log lines, one per rank and pass. Each "
+            "validate_result call (rerun.py's on the loss, DDP's on each gradient bucket) goes through "
+            "rerun.report_validation, which calls megatron-core's",
+        checks=(Takes(f"{_MACHINE}.validate_result", ("self", "result", "rejection_func", "message",
+                                                       "comparison_func", "tolerance", "fatal")),),
+        apply=_rerun_validations_reported,
+    ),
+    Patch(
+        name="rerun state machine's determinism report left to rerun.py",
+        package=PACKAGE, written_for=WRITTEN_FOR,
+        target=f"{_MACHINE}._maybe_report_stats",
+        why="under --rerun-mode report_determinism_stats 0.16.1's own report reads Caller.filename, which "
+            "Caller lacks: AttributeError on rank 0 at the first report (no upstream issue known; 0.19 reads "
+            "the message); and every release's logs at INFO, which nothing shows. rerun.StepValidation "
+            "reports instead",
+        checks=(Takes(f"{_MACHINE}._maybe_report_stats", ("self",)),
+                Says(f"{_MACHINE}.should_run_forward_backward", "self._maybe_report_stats()", count=1)),
+        apply=_rerun_report_left_to_rerun_py,
+        when=_reports_determinism_stats,
+    ),
+    Patch(
+        name="rerun state machine forgets an earlier step's rejected result",
+        package=PACKAGE, written_for=WRITTEN_FOR,
+        target=f"{_MACHINE}.should_run_forward_backward",
+        why="the machine keeps the rejected call of an earlier step and its result: in a later step rerun "
+            "because another rank rejected a result, a rank whose own call matches the old one compares its "
+            "rerun's result with the earlier step's, and that comparison joins the step's verdict (continue, "
+            "or save and exit 16). 0.16.1 and 0.19.2; no upstream issue known. A fresh step starts without "
+            "them",
+        checks=(Takes(f"{_MACHINE}.should_run_forward_backward", ("self", "data_iterator")),
+                Says(f"{_MACHINE}.__init__", "self.failed_validation_call"),
+                Says(f"{_MACHINE}.__init__", "self.initial_result"),
+                Says(f"{_MACHINE}.validate_result", "validation_call == self.failed_validation_call"),
+                Has(f"{_RERUN}:RerunState.NOT_RUNNING_YET")),
+        apply=_rerun_fresh_step_forgets_the_last_rejection,
     ),
     Patch(
         name="optimizer state matched to FSDP2 parameters' local shards",

@@ -3,6 +3,9 @@ that the local tier's subclasses override (checkpointing/local_tier.py, checkpoi
 Nothing of NVRx is replaced there; a renamed method would leave our override uncalled, silently, so each is
 checked, with the call in NVRx that reaches it.
 
+One record replaces a method of NVRx's in-process restart Wrapper, on a host without CUDA: NVRx 0.5 and
+later run GPU health checks of their own before every restart, which cannot run there.
+
 One record replaces something, in ft_launcher's process only (`python -m megatron_resil.ft_launcher`
 installs it by name; pretrain.py never does): NVRx 0.4.1's rendezvous hard-codes torch's keep-alive (a
 heartbeat every 5 s, a node dropped after 3 missed), where torch's own c10d rendezvous reads
@@ -92,6 +95,60 @@ def _keep_alive_from_rdzv_conf() -> None:
     rdzv.create_handler = create_handler_with_keep_alive
 
 
+# ---- NVRx's own GPU health checks before an in-process restart, on a host without CUDA -----------------
+
+_INPROCESS = "nvidia_resiliency_ext.inprocess"
+_CONSTRUCT = f"{_INPROCESS}:Wrapper._construct_restart_health_check"
+# NVRx 0.5 and later chain checks of their own after the Wrapper's health_check and run them before every
+# restart (the Wrapper's `restart_health_check`; 0.4.1 has neither): one each for the GPU, its NVLinks and
+# its InfiniBand NIC, the GPU being LOCAL_RANK's. All three read the GPU through NVML.
+GPU_HEALTH_CHECKS = ("ChainedGPUHealthCheck", "ChainedNVLHealthCheck", "ChainedNicHealthCheck")
+_left_out: tuple[str, ...] = ()
+
+
+def gpu_health_checks_left_out() -> tuple[str, ...]:
+    """The names of NVRx's GPU health checks the last Wrapper built in this process runs no more before a
+    restart (none with CUDA, or with an NVRx that has none)."""
+    return _left_out
+
+
+def _inprocess_restart_without_cuda(args: argparse.Namespace | None) -> bool:
+    import torch
+
+    return not torch.cuda.is_available() and (args is None or bool(getattr(args, "inprocess_restart", False)))
+
+
+def _no_restart_health_checks() -> str | None:
+    from nvidia_resiliency_ext import inprocess
+
+    if not hasattr(inprocess.Wrapper, "_construct_restart_health_check"):
+        return "its Wrapper runs no health checks of its own before a restart"
+    return None
+
+
+def _gpu_health_checks_left_out_without_cuda() -> None:
+    from nvidia_resiliency_ext import inprocess
+
+    construct = inprocess.Wrapper._construct_restart_health_check
+    gpu_checks = tuple(getattr(inprocess.health_check, name) for name in GPU_HEALTH_CHECKS
+                       if hasattr(inprocess.health_check, name))
+
+    @functools.wraps(construct)
+    def construct_without_gpu_checks(self) -> None:
+        global _left_out
+        construct(self)
+        chained = self.restart_health_check
+        if chained is None:
+            _left_out = ()
+            return
+        checks = getattr(chained, "instances", (chained,))  # a Compose, or a single check
+        kept = [check for check in checks if not isinstance(check, gpu_checks)]
+        self.restart_health_check = inprocess.Compose(*kept) if kept else None
+        _left_out = tuple(type(check).__name__ for check in checks if isinstance(check, gpu_checks))
+
+    inprocess.Wrapper._construct_restart_health_check = construct_without_gpu_checks
+
+
 def _uses_local_tier(args: argparse.Namespace | None) -> bool:
     return args is None or getattr(args, "non_persistent_ckpt_type", None) == "local"
 
@@ -105,6 +162,29 @@ def _async_replication(args: argparse.Namespace | None) -> bool:
 
 
 PATCHES = (
+    Patch(
+        name="NVRx's GPU health checks left out of in-process restarts without CUDA",
+        package=PACKAGE, written_for=WRITTEN_FOR,
+        target=_CONSTRUCT,
+        why="NVRx 0.5 and later chain GPU, NVLink and NIC checks (each reading LOCAL_RANK's GPU through "
+            "NVML) after the Wrapper's own health_check and run them before every restart; on a host without "
+            "a GPU there is no NVML: the NVLink check raises NVMLError and the GPU check reports the GPU "
+            "unhealthy, so every rank ends with HealthCheckError at the first restart. The Wrapper builds "
+            "the chain without them (with CUDA, on a GPU host, they all stay: the record is not installed)",
+        checks=(
+            Takes(_CONSTRUCT, ("self",)),
+            Says(f"{_INPROCESS}:Wrapper.__init__", "self._construct_restart_health_check()"),
+            Says(_CONSTRUCT, "self.restart_health_check = Compose(*health_checks)"),
+            Says(_CONSTRUCT, "ChainedGPUHealthCheck("),
+            Has(f"{_INPROCESS}.health_check:ChainedGPUHealthCheck"),
+            Has(f"{_INPROCESS}:Compose"),
+            # read at each restart, so the chain as the constructor leaves it is the one that runs
+            Says(f"{_INPROCESS}.wrap", "wrapper.restart_health_check(state.freeze())"),
+        ),
+        apply=_gpu_health_checks_left_out_without_cuda,
+        not_needed=_no_restart_health_checks, not_needed_on="<0.5",
+        when=_inprocess_restart_without_cuda,
+    ),
     Patch(
         name="NVRx local checkpointing modules",
         package=PACKAGE, written_for=WRITTEN_FOR,

@@ -1,9 +1,13 @@
 """The commands of `python -m megatron_resil.tools.ckpt` (megatron_resil/tools/ckpt.py says what each does).
-Importing this module imports megatron-core: the entry point installs the start-up patches first."""
+Importing this module imports megatron-core: the entry point installs the start-up patches first.
+
+What they read is untrusted: every line goes out through events.say (names escaped, no encoding error on
+any stdout), and no walk of a directory follows a link or recurses."""
 
 from __future__ import annotations
 
 import os
+import stat
 
 from megatron_resil.checkpointing import layout, untrusted
 from megatron_resil.checkpointing.global_tier import GlobalTier
@@ -14,6 +18,7 @@ from megatron_resil.checkpointing.megatron_integrity import has_integrity_manife
 from megatron_resil.checkpointing.tier import TierCandidate
 from megatron_resil.checkpointing.torch_format import is_torch_checkpoint
 from megatron_resil.checkpointing.tracker import read_tracker
+from megatron_resil.events import say
 
 
 class OfflineLocalTier:
@@ -50,24 +55,27 @@ class OfflineLocalTier:
         return lines
 
 
-def _size(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+def _size(path: str) -> str:
+    """The regular files' bytes in MiB, and what kept any from being counted."""
+    size, short = untrusted.tree_size(path)
+    return f"{size / 2**20:10.1f} MiB" + (f" ({short})" if short else "")
 
 
 def cmd_list(root: str, local: str | None, non_persistent: str | None) -> int:
-    print(f"persistent tier {root}")
+    say(f"persistent tier {root}")
     _list_global(root)
     if non_persistent:
-        print(f"non-persistent global tier {non_persistent}")
+        say(f"non-persistent global tier {non_persistent}")
         _list_global(non_persistent)
     if local:
-        print(f"local tier {local}")
+        say(f"local tier {local}")
         tier = OfflineLocalTier(local)
         for iteration in sorted(tier.copies, reverse=True):
-            print(f"  iteration {iteration}")
-            print("\n".join(tier.describe(iteration)))
+            say(f"  iteration {iteration}")
+            for line in tier.describe(iteration):
+                say(line)
         for reason in sorted(_glob_reasons(local)):
-            print(f"  quarantined {reason}")
+            say(f"  quarantined {reason}")
     return 0
 
 
@@ -79,11 +87,21 @@ def _reason(path: str) -> str:
         return f"? ({err})"
 
 
+def _is_real_dir(path: str) -> bool:
+    """A directory itself, not a link to one."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 def _glob_reasons(root: str) -> list[str]:
     found = []
-    for rank in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+    for rank in sorted(os.listdir(root)) if os.path.isdir(root) else []:  # the root is the user's
         qdir = os.path.join(root, rank, QUARANTINE_DIR)
-        for name in sorted(os.listdir(qdir)) if os.path.isdir(qdir) else []:
+        if not (_is_real_dir(os.path.join(root, rank)) and _is_real_dir(qdir)):
+            continue
+        for name in sorted(os.listdir(qdir)):
             if name.endswith(".REASON.txt"):
                 reason = _reason(os.path.join(qdir, name))
                 found.append(f"{rank}/{QUARANTINE_DIR}/{name[:-len('.REASON.txt')]}: {reason}")
@@ -93,21 +111,23 @@ def _glob_reasons(root: str) -> list[str]:
 def _list_global(root: str) -> None:
     reading = read_tracker(root)
     tracker = "release" if reading.iteration == -1 else reading.iteration
-    print(f"tracker: {tracker if reading.problem is None else reading.problem}")
+    say(f"tracker: {tracker if reading.problem is None else reading.problem}")
     for iteration in layout.published_iterations(root):
         path = layout.iteration_dir(root, iteration)
+        if os.path.islink(path):  # listed, never followed: verify rejects it
+            say(f"  iter_{iteration:07d}  a symlink to {os.readlink(path)}")
+            continue
         manifest, _ = read_manifest(path)
-        kind = f"manifest v{manifest['version']}" if manifest else "no manifest"
-        print(f"  iter_{iteration:07d}  {_size(path) / 2**20:10.1f} MiB  {kind}")
+        kind = f"manifest v{manifest.get('version')}" if manifest else "no manifest"
+        say(f"  iter_{iteration:07d}  {_size(path)}  {kind}")
     for path in layout.quarantined(root):
         reason_file = os.path.join(path, "QUARANTINE_REASON.txt")
         reason = _reason(reason_file) if os.path.lexists(reason_file) else "?"
-        print(f"  quarantined {os.path.basename(path)}: {reason}")
+        say(f"  quarantined {os.path.basename(path)}: {reason}")
     for kind, paths in layout.leftovers(root).items():
         for path in paths:
-            print(f"  leftover ({kind}) {os.path.basename(path)}: removed at the next start of a run "
-                  "that saves here")
-    return 0
+            say(f"  leftover ({kind}) {os.path.basename(path)}: removed at the next start of a run "
+                "that saves here")
 
 
 def tiers(root: str, local: str | None, non_persistent: str | None) -> list:
@@ -139,7 +159,7 @@ def cmd_verify(tiers: list, iteration: int | None) -> int:
             verdict = "ok (no manifest: its files read through the allow-list, no checksums)" \
                 if is_torch_checkpoint(candidate.path) else "ok (no manifest: presence of .metadata only)"
         failed += reason is not None
-        print(f"{candidate.tier} iteration {candidate.iteration}: {verdict}")
+        say(f"{candidate.tier} iteration {candidate.iteration}: {verdict}")
     return 1 if failed else 0
 
 
@@ -148,8 +168,8 @@ def cmd_which(tiers: list) -> int:
         reason = tier.verify(candidate)
         where = f"{candidate.tier} iteration {candidate.iteration} ({candidate.path})"
         if reason is None:
-            print(f"would load {where}: verified, {candidate.note}")
+            say(f"would load {where}: verified, {candidate.note}")
             return 0
-        print(f"would reject {where}: {reason}")
-    print("nothing loadable in " + ", ".join(tier.root for tier in tiers))
+        say(f"would reject {where}: {reason}")
+    say("nothing loadable in " + ", ".join(tier.root for tier in tiers))
     return 1
