@@ -2,10 +2,10 @@
 
 Its writer reports through a queue. megatron-core makes it a queue served by a spawned Manager process,
 which costs every rank a fresh interpreter that imports torch (seconds on two cores) and dies with the
-job-wide SIGTERM. A synchronous save reports within the process that runs it, so it gets an in-process
-queue; only --async-save, whose worker is another process, needs the Manager: we start that one
-ourselves, early and deaf to termination signals. And torch.save's own per-record CRC, which nothing
-checks on load, is skipped while our manifest's CRC covers the same bytes.
+job-wide SIGTERM. Here no save needs one: a synchronous save reports within the process that runs it, and
+an async save's worker sends its results back with its own reply (shard_writer, global_tier), so each save
+gets an in-process queue. And torch.save's own per-record CRC, which nothing checks on load, is skipped
+while our manifest's CRC covers the same bytes.
 
 The queue is megatron-core's private `filesystem_async._results_queue` (a dependency the patches check at
 start-up; where it is gone, megatron-core's own queue is left in place).
@@ -13,17 +13,11 @@ start-up; where it is gone, megatron-core's own queue is left in place).
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import multiprocessing as mp
 import queue
-import threading
-from multiprocessing.managers import SyncManager
 
 import torch
 from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-from megatron_resil.checkpointing import write_queue_server
 
 
 @contextlib.contextmanager
@@ -45,8 +39,8 @@ def without_torch_record_crc():
 
 @contextlib.contextmanager
 def results_in_this_process():
-    """For a synchronous save: megatron-core's writer runs in this process (its forked helpers report
-    to it through their own queue), so its results queue need not cross a process boundary."""
+    """Within, megatron-core's writer reports to a queue in this process: a synchronous save writes here,
+    and an async save's results come back from its worker with the worker's reply."""
     if not hasattr(filesystem_async, "_results_queue"):
         yield
         return
@@ -56,41 +50,6 @@ def results_in_this_process():
         yield
     finally:
         filesystem_async._results_queue = previous
-
-
-def _start_write_queue() -> None:
-    """megatron-core's torch_dist writer reports through a queue served by a spawned Manager process.
-    A preemption signals every process of the job, and a Manager with default handlers dies at once,
-    breaking the very save that --exit-signal-handler asked for. Start it ourselves, deaf to SIGTERM
-    and SIGINT (it exits with this process), and hand it to megatron-core."""
-    if getattr(filesystem_async, "_results_queue", "absent") is not None:
-        return  # already created, or this megatron-core has no such queue
-    manager = SyncManager(ctx=mp.get_context("spawn"))
-    manager.start(initializer=write_queue_server.ignore_termination_signals)
-    filesystem_async._results_queue = manager.Queue()
-    _MANAGERS.append(manager)  # keep it alive for the life of the process
-
-
-_MANAGERS: list[SyncManager] = []
-_queue_starter: threading.Thread | None = None
-
-
-def prepare_for_saving() -> None:
-    """Start the Manager for async saves in the background, so the first save does not wait for it."""
-    global _queue_starter
-    if _queue_starter is None:
-        _queue_starter = threading.Thread(target=_start_write_queue, name="ckpt-write-queue", daemon=True)
-        _queue_starter.start()
-        # An exit while the helper is still starting would leave multiprocessing waiting on a
-        # half-started Manager; let the start finish first (atexit runs this before multiprocessing's
-        # own exit handler, which then shuts the Manager down).
-        atexit.register(_queue_starter.join)
-
-
-def ensure_write_queue() -> None:
-    prepare_for_saving()
-    _queue_starter.join()
-    _start_write_queue()  # no-op if the background start succeeded; raises here if it failed
 
 
 # ---- rank 0's own writes inside a collective save ------------------------------------------------
