@@ -117,6 +117,7 @@ def _pretrain(args: argparse.Namespace, ft: FaultTolerance) -> int:
                                     on_staged=faults.on_staged,
                                     params_in_sync=partial(params_in_sync, model, args),
                                     may_publish=launcher_watch.launcher_alive)  # an orphan publishes nothing
+    faults.before_writing_state = checkpoints.before_state_changes
     with signal_handler.loading():  # a signal now ends the process: a load can block past any grace
         progress = checkpoints.load()
     phase_marks.mark("loaded")
@@ -185,7 +186,8 @@ def train(args, model, optimizer, scheduler, checkpoints, progress: TrainProgres
             stops.iteration_started()
             faults.before_iteration(progress.iteration + 1)
             report, stop = train_step(args, model, optimizer, scheduler, train_ds, progress, faults,
-                                      nan_checks=not checkpoints.canary_watching)
+                                      nan_checks=not checkpoints.canary_watching,
+                                      before_optimizer_step=checkpoints.before_state_changes)
         if stop is not None:  # the rerun state machine would end the job; this step was not taken
             progress, stop = stops.rejected_step(stop, progress, checkpoints)
             continue
@@ -414,9 +416,11 @@ def _run_schedule(args, model, dataset, consumed: int, on_loss, forward_only: bo
 
 
 def train_step(args, model, optimizer, scheduler, dataset, progress: TrainProgress,
-               faults: FaultInjector | None = None,
-               nan_checks: bool = True) -> tuple[StepReport | None, rerun.RerunStop | None]:
-    """(report, None), or (None, stop) when the rerun state machine ends the job before the optimizer step."""
+               faults: FaultInjector | None = None, nan_checks: bool = True,
+               before_optimizer_step=None) -> tuple[StepReport | None, rerun.RerunStop | None]:
+    """(report, None), or (None, stop) when the rerun state machine ends the job before the optimizer step.
+    `before_optimizer_step`: called just before the parameters change (a pending async save's copy of them
+    is completed there, CheckpointManager.before_state_changes)."""
     iteration = progress.iteration + 1
     step = rerun.StepValidation(iteration, nan_checks=nan_checks)
 
@@ -439,6 +443,8 @@ def train_step(args, model, optimizer, scheduler, dataset, progress: TrainProgre
                                 forward_only=False, batch_size=batch_size)  # timed: "forward-backward"
     if (stop := step.verdict()) is not None:
         return None, stop
+    if before_optimizer_step is not None:
+        before_optimizer_step()
     if timers is not None:
         timers("optimizer", log_level=1).start()
     updated, grad_norm, num_zeros = optimizer.step()

@@ -197,8 +197,12 @@ class Drill:
             self.wait_for("node 1's ranks to stop", lambda: all(
                 self.log_has("node1.log", f"injecting hang on rank {r}")
                 for r in range(LOST_NODE * RANKS_PER_NODE, (LOST_NODE + 1) * RANKS_PER_NODE)))
-        self.damage_replicas()
+        # Node 1 first: its frozen ranks are within the FT step timeout, and rewriting a replica takes time
+        # (on a loaded host, longer than that timeout: node 1's launcher then restarted its own ranks). The
+        # survivors cannot load before the replacement joins their rendezvous, so the damage is still done
+        # before anything reads it.
         self.lose_node(LOST_NODE)
+        self.damage_replicas()
         self.nodes[LOST_NODE] = self.start_node(LOST_NODE, f"node{LOST_NODE}-replacement.log")
         codes = {}
         for node, proc in self.nodes.items():

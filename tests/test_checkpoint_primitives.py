@@ -400,32 +400,51 @@ def test_fsync_file_and_dir(tmp_path: Path) -> None:
         atomic.fsync_file(str(tmp_path / "nope"))
 
 
-def test_async_snapshot_is_a_private_shared_memory_copy_reused_from_save_to_save() -> None:
-    """What an async save writes from: a copy in shared memory (the worker reads it without another copy),
-    unaffected by training's later updates, and the same buffers at the next save of the same state."""
+def test_async_staging_copies_into_one_shared_arena_reused_from_save_to_save_and_crosses_by_reference():
+    """What an async save writes from: each tensor copied once into its slot of one shared-memory arena (by
+    a thread beside training; a slot's storage is exactly its slice, so torch.save writes only it),
+    unaffected by training's later updates; the same slots at the next save of the same structure,
+    re-planned (in the same arena where it fits) when the structure changes; and pickled for the worker as
+    references into the arena."""
+    import io
+    import pickle
+
     import torch
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    from megatron_resil.checkpointing.snapshot import SnapshotBuffers
+    from megatron_resil.checkpointing.staging import HostStaging, unpickle
 
-    live = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4),
-            "b": torch.ones(4, dtype=torch.bfloat16)}
-
-    def state():
-        return {"model": {name: ShardedTensor.from_rank_offsets(name, t) for name, t in live.items()},
-                "iteration": 7}
-
-    buffers = SnapshotBuffers()
-    first = buffers.take(state())
-    w, b = first["model"]["w"].data, first["model"]["b"].data
-    assert w.is_shared() and b.is_shared() and first["iteration"] == 7
-    assert w.data_ptr() != live["w"].data_ptr() and torch.equal(w, live["w"]) and torch.equal(b, live["b"])
-    live["w"].mul_(-1)  # training goes on
+    live = [torch.arange(12, dtype=torch.float32).reshape(3, 4), torch.ones(5, dtype=torch.bfloat16)]
+    host = HostStaging()
+    w, b = host.stage(live)
+    host.wait_copied()  # the copies run beside training until then
+    arena, arena_id = host.arena, host.arena_id
+    assert arena.is_shared() and w.data_ptr() != live[0].data_ptr()
+    assert torch.equal(w, live[0]) and torch.equal(b, live[1])
+    assert w.untyped_storage().nbytes() == 48 and b.untyped_storage().nbytes() == 10
+    assert w.untyped_storage().data_ptr() - arena.data_ptr() == 0
+    assert b.untyped_storage().data_ptr() - arena.data_ptr() == 256  # aligned
+    written = io.BytesIO()
+    torch.save(w, written)
+    alone = io.BytesIO()
+    torch.save(live[0].clone(), alone)
+    assert len(written.getvalue()) == len(alone.getvalue())  # the slot, not the arena
+    live[0].mul_(-1)  # training goes on
     assert w[1, 1].item() == 5.0
-    second = buffers.take(state())
-    assert second["model"]["w"].data.data_ptr() == w.data_ptr()  # reused, now holding the new values
-    assert torch.equal(second["model"]["w"].data, live["w"])
-    live["w"] = torch.zeros(2, 2)  # the state changed shape: a fresh buffer for it
-    third = buffers.take(state())
-    assert third["model"]["w"].data.shape == (2, 2) and third["model"]["w"].data.is_shared()
-    assert third["model"]["b"].data.data_ptr() == b.data_ptr()
+    again = host.stage(live)
+    host.wait_copied()
+    assert again[0].data_ptr() == w.data_ptr() and torch.equal(again[0], live[0])  # reused, new values
+
+    payload = host.pickle({"tensors": again, "step": 7})
+    assert len(payload) < 1000  # references, not the data
+    received = unpickle(payload, {arena_id: arena})
+    assert received["step"] == 7 and torch.equal(received["tensors"][0], live[0])
+    assert received["tensors"][1].untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    with pytest.raises(pickle.UnpicklingError, match="arena 1, which this worker was not sent"):
+        unpickle(payload, {})
+
+    smaller = host.stage([torch.zeros(2, 2), live[1]])  # another structure that fits: same arena
+    host.wait_copied()
+    assert host.arena_id == arena_id and smaller[0].shape == (2, 2) and torch.equal(smaller[1], live[1])
+    bigger = host.stage([torch.zeros(1000)])  # one that does not: a new arena, which the worker must map
+    assert host.arena_id == arena_id + 1 and host.arena.nbytes() >= 4000
+    assert bigger[0].untyped_storage().data_ptr() == host.arena.data_ptr()

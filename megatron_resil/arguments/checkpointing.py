@@ -67,6 +67,11 @@ FLAGS = (
     Flag("--async-save-max-failures", 3, int,
          "this many failed async saves in a row end the job with exit code 4 (one failed save is dropped and "
          "training continues)"),
+    Flag("--async-save-when-busy", "wait", str, choices=("wait", "skip"),
+         help="an interval save due while the previous async save is still being written: wait for it, "
+              "then save (default, as Megatron: no save is lost, the trainer stalls), or skip this save and "
+              "train on (the next one comes at the next interval). Said once with the figures either way; "
+              "the save at exit always waits"),
     Flag("--ckpt-assume-constant-structure",
          help="the model and optimizer state keep their structure for the whole job (as in Megatron): "
               "torch_dist saves after the first reuse its plan and its spread over data-parallel ranks and "

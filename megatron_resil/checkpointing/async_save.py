@@ -2,12 +2,22 @@
 publish (manifest, rename, tracker) happens only once every rank's worker has written and
 checksummed its shards.
 
+What the trainer does for an async save is the staging alone (staging.py): the copy of what this rank
+writes into reused host buffers, enqueued on a side stream on a GPU, and the tier's collective planning.
+The copy is handed to the worker once it is complete, at the latest before the next optimizer step (or
+anything else that changes the state) would overwrite what it reads. Serialising, checksumming, writing and
+replicating happen in the worker.
+
 One persistent worker process per rank (Megatron's --use-persistent-ckpt-worker; ours is always
 persistent). Not megatron-core's: its worker calls `torch.cuda.set_device` and dies on CPU, and a
 dead worker leaves the trainer blocked forever. Here every wait is bounded: a worker that died, or
 has not finished within --async-save-timeout-secs, is reported, that save is dropped (never
 published, the previous checkpoints intact), and the next save starts a fresh worker. Training
 continues. The end of training and every exit path wait for the pending save first.
+
+One save is in flight at a time. An interval save that comes due while the previous one is still being
+written is skipped or waits for it, as --async-save-when-busy says (CheckpointManager), and the first such
+collision is said in one line with its figures.
 
 Each iteration the ranks agree, in one small all-reduce while a save is pending, whether every
 worker is done; so finalisation happens at the same iteration on every rank.
@@ -22,16 +32,20 @@ import queue
 import resource
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.multiprocessing as mp
 
 from megatron_resil import events, parallel, patches
+from megatron_resil.checkpointing import staging
+from megatron_resil.checkpointing.staging import HostStaging
 from megatron_resil.checkpointing.tier import AsyncSaveJob, CheckpointSaveError, CheckpointTier
 
 WORKER_NAME = b"resil-ckpt-wkr"  # the process name (comm) operators and tests see in ps
 _READY = -1  # the tag of the worker's first message: started and imported, ready to write
+_ARENA = -2  # the tag of a request that hands the worker the staging arena (sent once per arena)
+WHEN_BUSY = ("wait", "skip")  # --async-save-when-busy
 
 
 def trainer_device_index() -> int | None:
@@ -41,9 +55,9 @@ def trainer_device_index() -> int | None:
 
 
 def bind_device(index: int | None) -> None:
-    """Put the worker on its trainer's GPU before anything in it touches CUDA. megatron-core's preload
-    (an async save's first step) calls torch.cuda.synchronize(): in a process that never chose a device
-    that opens a CUDA context on GPU 0, so every rank's worker would crowd GPU 0's memory."""
+    """Put the worker on its trainer's GPU before anything in it touches CUDA: a process that never chose
+    a device opens its CUDA context on GPU 0, so every rank's worker would crowd GPU 0's memory. (Staged
+    tensors are host memory, so a save normally opens no context in the worker at all.)"""
     if index is not None:
         torch.cuda.set_device(index)
 
@@ -62,6 +76,7 @@ def _worker_loop(trainer_pid: int, device_index: int | None, requests, results) 
         ctypes.CDLL(None).prctl(15, WORKER_NAME, 0, 0, 0)  # PR_SET_NAME
     except (OSError, AttributeError):
         pass
+    arenas: dict[int, torch.UntypedStorage] = {}  # the staging arena, mapped once and kept
     while True:
         try:
             item = requests.get(timeout=1.0)
@@ -71,13 +86,19 @@ def _worker_loop(trainer_pid: int, device_index: int | None, requests, results) 
             continue
         if item is None:
             return
-        tag, work, work_args = item
+        if item[0] == _ARENA:
+            _, arena_id, view = item
+            arenas = {arena_id: view.untyped_storage()}  # an older arena is no longer the trainer's
+            continue
+        tag, payload = item
         began, cpu_began = time.monotonic(), _cpu_seconds()
         try:
+            work, work_args = staging.unpickle(payload, arenas)
             outcome = (None, work(*work_args))
         except BaseException as err:  # noqa: BLE001 - reported to the trainer, which decides
             outcome = (f"{type(err).__name__}: {err}", None)
-        del item, work_args
+        del item, payload
+        work = work_args = None
         # What the write cost: the worker's and its forked writers' CPU time (taken from the training
         # ranks where the cores are all busy), and its wall time.
         results.put((tag, *outcome, (_cpu_seconds() - cpu_began, time.monotonic() - began)))
@@ -102,9 +123,11 @@ class WriterProcess:
         self._requests = self._results = None
         self._atexit_registered = False
         self._killed_by_us = False
+        self.starts = 0  # how many workers this rank has started: a new one must be handed the arena
         self.started_at: float = 0.0
         self.ready_at: float | None = None  # start-up (imports) does not count against a save
         self.last_costs: tuple[float, float] | None = None  # the last job's (CPU seconds, wall seconds)
+        self._arena_sent: int | None = None
 
     def start(self) -> str | None:
         """Make sure a worker is running; returns why an earlier one had to be replaced, if so."""
@@ -114,22 +137,28 @@ class WriterProcess:
         if self.process is not None and not self._killed_by_us:
             replaced = f"its worker (pid {self.process.pid}) had died, exit code {self.process.exitcode}"
         self._requests, self._results = self._ctx.Queue(), self._ctx.Queue()
-        # Not a daemon: megatron-core's writer forks its own writers. So that an exiting trainer
+        # Not a daemon: megatron-core's writer may fork writers of its own. So that an exiting trainer
         # never waits on it, it is killed at exit (a pending save is unpublishable then anyway).
         # Its patches (the trainer's) go in before its first import of megatron-core.
         self.process = self._ctx.Process(target=patches.call_installed,
                                          args=(f"{__name__}:_worker_loop", patches.applied(), os.getpid(),
                                                trainer_device_index(), self._requests, self._results))
         self.process.start()
-        self.started_at, self.ready_at = time.monotonic(), None
+        self.starts += 1
+        self.started_at, self.ready_at, self._arena_sent = time.monotonic(), None, None
         self._killed_by_us = False
         if not self._atexit_registered:
             atexit.register(self.kill)
             self._atexit_registered = True
         return replaced
 
-    def submit(self, tag: int, work, work_args: tuple) -> None:
-        self._requests.put((tag, work, work_args))
+    def submit(self, tag: int, payload: bytes, host: HostStaging) -> None:
+        """Hand over a pickled job (`HostStaging.pickle`); the arena it refers to goes first, once."""
+        if host.arena is not None and self._arena_sent != host.arena_id:
+            # A tensor over the whole arena crosses as a handle to its shared memory, not as data.
+            self._requests.put((_ARENA, host.arena_id, torch.empty(0, dtype=torch.uint8).set_(host.arena)))
+            self._arena_sent = host.arena_id
+        self._requests.put((tag, payload))
 
     def poll(self, tag: int) -> tuple[str, object]:
         """("running", None), ("done", result) or ("failed", why) for request `tag`."""
@@ -167,20 +196,31 @@ class _Pending:
     tier: CheckpointTier
     job: AsyncSaveJob
     tag: int
-    started: float
+    started: float  # when the save began (before its state was built)
     on_published: object
-    blocking: dict  # seconds the trainer spent on this save, by part: prepare, stage, wait, finalize
+    payload: bytes | None  # the pickled job, until it is handed to the worker
+    # Seconds the trainer spent on this save, by part: prepare (building the sharded state), plan (the
+    # tier's collective planning, the hand-over), copy (into the host buffers, or enqueueing that copy on a
+    # GPU), copy_wait (for a device-to-host copy still running at the hand-over), wait (for the worker,
+    # when something waited for it) and finalize.
+    blocking: dict = field(default_factory=dict)
+    handed_over: float | None = None  # when the worker was given it (its time limit runs from here)
 
 
 class AsyncSaves:
-    def __init__(self, timeout_secs: float, max_failures: int = 3) -> None:
+    def __init__(self, timeout_secs: float, max_failures: int = 3, when_busy: str = "wait") -> None:
+        assert when_busy in WHEN_BUSY, when_busy
         self.timeout_secs = timeout_secs
         self.max_failures = max_failures
+        self.when_busy = when_busy
         self.failures_in_a_row = 0
         self.worker = WriterProcess()
+        self.staging = HostStaging()
         self.pending: _Pending | None = None
+        self.said_busy = False  # the first collision with a save still being written is said, once
         self._tag = 0
         self._verdict: tuple[str, object] | None = None
+        self._job_id: str | None = None  # this job's name for its workers' replication groups
 
     def submit(self, tier, sharded_state: dict, iteration: int, on_published,
                prepared_s: float = 0.0) -> None:
@@ -188,29 +228,61 @@ class AsyncSaves:
         pending one is finalised first (that wait counts against the pending one). `prepared_s`: the
         trainer's time building `sharded_state`, counted as this save's blocking time."""
         self.wait()
-        started = time.monotonic()
-        restarts = parallel.all_gather_object(self.worker.start())
-        replaced = [f"rank {rank}: {why}" for rank, why in enumerate(restarts) if why]
+        began = time.monotonic()
+        restarts = parallel.all_gather_object((self.worker.start(), self.worker.starts))
+        replaced = [f"rank {rank}: {why}" for rank, (why, _) in enumerate(restarts) if why]
         if replaced:
             events.decision("save", "async checkpoint worker restarted before the save of iteration "
                             f"{iteration} (" + "; ".join(replaced) + ")", iteration=iteration,
                             reasons=replaced)
+        if self._job_id is None:
+            self._job_id = parallel.broadcast_object(os.urandom(6).hex())
+        # Changes whenever any rank's worker is a new one: the workers' own process group is made anew.
+        workers = f"{self._job_id}/" + "-".join(str(starts) for _, starts in restarts)
+        self.staging.copy_seconds = 0.0
         try:
-            job = tier.save_async(sharded_state, iteration)
+            job = tier.save_async(sharded_state, iteration, self.staging, workers)
         except CheckpointSaveError as err:  # agreed on every rank: dropped like a failed write
             self._failed(tier.name, iteration, err)
             return
+        payload = self.staging.pickle((job.work, job.work_args))
         self._tag += 1
-        self.worker.submit(self._tag, job.work, job.work_args)
-        now = time.monotonic()
-        self.pending = _Pending(tier, job, self._tag, now, on_published,
-                                {"prepare": prepared_s, "stage": now - started})
+        copy = self.staging.copy_seconds
+        blocking = {"prepare": prepared_s, "plan": time.monotonic() - began - copy, "copy": copy}
+        self.pending = _Pending(tier, job, self._tag, began - prepared_s, on_published, payload, blocking)
         self._verdict = None
+        if not self.staging.copying():
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Give the pending save to the worker once its device-to-host copy is complete (waiting for it
+        if it is not: the caller is about to change the state it copies)."""
+        pending = self.pending
+        began = time.monotonic()
+        self.staging.wait_copied()
+        pending.blocking["copy_wait"] = pending.blocking.get("copy_wait", 0.0) + time.monotonic() - began
+        self.worker.submit(pending.tag, pending.payload, self.staging)
+        pending.payload, pending.handed_over = None, time.monotonic()
+
+    def before_state_changes(self) -> None:
+        """Called before anything writes to the state a pending save may still be copying from (the
+        optimizer step, a load): the copy is finished and the save handed to the worker."""
+        if self.pending is not None and self.pending.handed_over is None:
+            self._hand_over()
+
+    def writing_for(self) -> float:
+        """Seconds the pending save has been with the worker (0 if it has not been handed over)."""
+        handed = self.pending.handed_over if self.pending is not None else None
+        return 0.0 if handed is None else time.monotonic() - handed
 
     def _local_status(self) -> tuple[str, object]:
         # The verdict is kept: the worker reports once, but the ranks may agree only later.
         if self._verdict is not None:
             return self._verdict
+        if self.pending.handed_over is None:
+            if self.staging.copying():
+                return "running", None
+            self._hand_over()
         status, payload = self.worker.poll(self.pending.tag)
         ready = self.worker.ready_at
         if status == "running" and ready is None and \
@@ -220,7 +292,7 @@ class AsyncSaves:
                 f"the worker did not start within {WORKER_STARTUP_GRACE_SECS:g} s plus "
                 f"--async-save-timeout-secs {self.timeout_secs:g} and was killed")
         elif status == "running" and ready is not None and \
-                time.monotonic() - max(self.pending.started, ready) > self.timeout_secs:
+                time.monotonic() - max(self.pending.handed_over, ready) > self.timeout_secs:
             self.worker.kill()
             status, payload = "failed", (f"the worker did not finish within --async-save-timeout-secs "
                                          f"{self.timeout_secs:g} and was killed")
@@ -234,6 +306,8 @@ class AsyncSaves:
         if self.pending is None:
             return False
         started = time.monotonic()
+        if blocking:
+            self.before_state_changes()
         status, payload = self._local_status()
         while blocking and status == "running":
             time.sleep(0.05)
@@ -252,22 +326,25 @@ class AsyncSaves:
             if failures:
                 job.abandon()
                 raise CheckpointSaveError("; ".join(failures))
-            path = job.publish([result for _, result in verdicts])
+            path = job.publish([result for _, (result, _) in verdicts])
         except CheckpointSaveError as err:
             self.worker.start()  # a fresh one now where one failed, so its start-up overlaps training
             self._failed(name, job.iteration, err)
             return False
         self.failures_in_a_row = 0
         now = time.monotonic()
-        parts = {**pending.blocking, "wait": waited, "finalize": now - started - waited}
+        parts = {**pending.blocking, "wait": pending.blocking.get("wait", 0.0) + waited,
+                 "finalize": now - started - waited}
         worker = {}
         if costs:
             worker = {"cpu_seconds": max(c for c, _ in costs), "seconds": max(w for _, w in costs)}
-        whole = now - pending.started + parts["prepare"] + parts["stage"]  # from the save's start
-        pending.on_published(pending.tier, job.iteration, path, whole, blocking=parts,
+        # The worker's own phases (serialise, checksum, write, replicate), from its slowest rank.
+        for _, (_, phases) in verdicts:
+            for phase, seconds in (phases or {}).items():
+                worker[f"{phase}_seconds"] = max(worker.get(f"{phase}_seconds", 0.0), seconds)
+        pending.on_published(pending.tier, job.iteration, path, now - pending.started, blocking=parts,
                              worker=worker)
         return True
-
     def _failed(self, name: str, iteration: int, err: CheckpointSaveError) -> None:
         """One failed async save is dropped; --async-save-max-failures in a row end the job (exit 4)."""
         self.failures_in_a_row += 1

@@ -13,7 +13,9 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import queue
 import shutil
+import time
 from collections.abc import Callable
 
 import torch.distributed as dist
@@ -47,7 +49,8 @@ from megatron_resil.checkpointing.manifest import (
     read_manifest,
     write_manifest,
 )
-from megatron_resil.checkpointing.snapshot import SnapshotBuffers
+from megatron_resil.checkpointing.staging import HostStaging
+from megatron_resil.checkpointing.staging import structure_of as staging_structure
 from megatron_resil.checkpointing.tier import (
     AsyncSaveJob,
     CheckpointSaveError,
@@ -104,11 +107,11 @@ class GlobalTier(CheckpointTier):
         self._rank_files: torch_format.RankFiles | None = None  # a torch-format candidate's, read by verify
         # A --load that is not this run's --save is only read: a rejected checkpoint there stays put.
         self.read_only = False
-        self._snapshot = SnapshotBuffers()  # what an async save writes from, reused from save to save
         # --ckpt-assume-constant-structure: one torch_dist strategy for the job, so megatron-core
         # reuses its save plan and data-parallel spread, and sharding is validated on the first save only.
         self.assume_constant_structure = assume_constant_structure
         self._kept_strategy = None
+        self._async_plan: tuple | None = None  # (the state's structure, the strategy that planned it)
 
     # ---- load side -------------------------------------------------------------------------
     def candidates(self) -> list[TierCandidate]:
@@ -328,19 +331,21 @@ class GlobalTier(CheckpointTier):
                                       f"{why}{more}")
         return self.finish(staging, iteration, _merged([checksums for checksums, _ in outcomes]))
 
-    def save_async(self, sharded_state: dict, iteration: int) -> AsyncSaveJob:
-        """Plan and stage collectively; the worker writes this rank's shards and checksums them;
-        megatron-core's finalize steps (global .metadata) and our publish follow on every rank."""
-        dcp_writer.ensure_write_queue()
+    def save_async(self, sharded_state: dict, iteration: int, host: HostStaging,
+                   workers: str = "") -> AsyncSaveJob:
+        """Plan collectively and stage this rank's share (the main replicas it writes) in `host`; the worker
+        writes and checksums this rank's shards; megatron-core's finalize steps (global .metadata) and our
+        publish follow on every rank."""
         staging = self._begin(iteration)
-        request, failure = None, None
+        request, failure, strategy = None, None, None
         try:  # planning and staging are collective; rank 0 also writes common.pt here
-            with dcp_writer.rank0_writes_fail_late():
-                strategy, validate = self._torch_dist_strategy()
-                request = dist_checkpointing.save(self._snapshot.take(sharded_state), staging,
-                                                  sharded_strategy=strategy, async_sharded_save=True,
-                                                  validate_access_integrity=validate,
-                                                  content_metadata=self.content_metadata, **_MCORE_ASYNC)
+            with dcp_writer.rank0_writes_fail_late(), dcp_writer.results_in_this_process():
+                strategy, validate = self._async_strategy(sharded_state)
+                with shard_writer.staged_in(strategy, host):
+                    request = dist_checkpointing.save(
+                        sharded_state, staging, sharded_strategy=strategy, async_sharded_save=True,
+                        validate_access_integrity=validate, content_metadata=self.content_metadata,
+                        **_MCORE_ASYNC)
         except (Exception, CheckpointException) as err:  # DCP's is a BaseException
             failure = said_if_full(_one_line(err), self.root)
         failed = [(rank, why) for rank, why in enumerate(parallel.all_gather_object(failure)) if why]
@@ -348,8 +353,13 @@ class GlobalTier(CheckpointTier):
             self.abandon(staging)
             raise CheckpointSaveError(f"could not stage iteration {iteration} in {self.root}: rank "
                                       f"{failed[0][0]}: {failed[0][1]}")
+        # Where megatron-core's finalisation reads this rank's write results: the worker sends them back.
+        results = shard_writer.results_queue_of(strategy)
 
-        def publish(per_rank_checksums: list) -> str:
+        def publish(per_rank: list) -> str:
+            own_results, checksums = per_rank[parallel.rank()][0], [c for _, c in per_rank]
+            if results is not None and own_results is not None:
+                results.put(own_results)
             failure = None
             try:  # megatron-core's finalisation: the global .metadata, metadata.json (rank 0), barriers
                 with dcp_writer.rank0_writes_fail_late():
@@ -362,7 +372,7 @@ class GlobalTier(CheckpointTier):
                 self.abandon(staging)
                 raise CheckpointSaveError(f"could not finish iteration {iteration} in {self.root}: rank "
                                           f"{failed[0][0]}: {failed[0][1]}")
-            return self.finish(staging, iteration, _merged(per_rank_checksums))
+            return self.finish(staging, iteration, _merged(checksums))
 
         return AsyncSaveJob(iteration, write_own_shards,
                             (parallel.rank(), staging, request.async_fn, request.preload_fn,
@@ -395,6 +405,17 @@ class GlobalTier(CheckpointTier):
             self._kept_strategy = self._strategy(cache_structure=True)
             return self._kept_strategy, True
         return self._kept_strategy, False
+
+    def _async_strategy(self, sharded_state: dict):
+        """(strategy, validate sharding?) for an async save: megatron-core's plan and spread over
+        data-parallel ranks of the previous async save are kept while the state's structure is the same on
+        every rank (one small all-reduce says so), as --ckpt-assume-constant-structure keeps them for every
+        save; a new structure is planned and validated afresh. Collective."""
+        structure = staging_structure(sharded_state)
+        if parallel.all_ranks_agree(self._async_plan is not None and self._async_plan[0] == structure):
+            return self._async_plan[1], False
+        self._async_plan = (structure, self._strategy(cache_structure=True))
+        return self._async_plan[1], True
 
     @classmethod
     def _strategy(cls, cache_structure: bool = False):
@@ -493,20 +514,37 @@ def _cleanup_step(done: str, failed: str, step) -> None:
     events.decision("cleanup", done)
 
 
-def write_own_shards(rank: int, staging: str, write_fn, preload_fn, write_args, sha256: bool = False) -> dict:
-    """An async save's background work (in the worker process): write this rank's shards (the
-    strategy's write function, shard_writer.write_buckets) and return their checksums, computed by
-    the writer of the data, and with `sha256` (--verify-integrity) their SHA-256s, read back here."""
+def write_own_shards(rank: int, staging: str, write_fn, preload_fn, write_args,
+                     sha256: bool = False) -> tuple[tuple, dict]:
+    """An async save's background work (in the worker process): write this rank's shards (the strategy's
+    write function, shard_writer.write_buckets) and return ((its write results for megatron-core's
+    finalisation, their checksums), the seconds of each phase). The checksums are computed by the writer
+    of the data as it writes; with `sha256` (--verify-integrity) their SHA-256s too, read back here."""
+    phases, outcome = {}, None
+    began = time.monotonic()
     if write_fn is not None:  # None: this rank has nothing to write in this save
         write_args = list(write_args)
-        if preload_fn is not None:
+        # Staged tensors are host memory already; megatron-core's preload would only synchronize CUDA.
+        if preload_fn is not None and not _all_on_host(write_args[1]):
             write_args[1] = preload_fn()
+        results: queue.Queue = queue.Queue()  # megatron-core's writer reports here, in this process
+        write_args[2] = results
         with dcp_writer.without_torch_record_crc():
             write_fn(*write_args)
+        outcome = results.get_nowait()
+        if isinstance(outcome, BaseException):
+            raise outcome
+    phases["write"] = time.monotonic() - began
     own = shard_writer.own_shard_checksums(staging, rank)
     if sha256:
+        began = time.monotonic()
         megatron_integrity.add_sha256(staging, own)
-    return own
+        phases["sha256"] = time.monotonic() - began
+    return (outcome, own), phases
+
+
+def _all_on_host(buckets: list) -> bool:
+    return all(tensor.device.type == "cpu" for _, _, (_, tensor_data) in buckets for _, tensor in tensor_data)
 
 
 # The --dist-ckpt-strictness modes that load around a model key the checkpoint lacks (megatron-core drops

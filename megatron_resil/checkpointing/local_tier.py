@@ -11,18 +11,24 @@ What this adds to NVRx 0.4.1, each a trap seen there:
 - retrieval from replicas works on gloo (see replication.py);
 - a stale `.dirty` file from a crashed save is replaced instead of failing that rank's next save
   while the others wait in a barrier; a write that fails on one rank fails the save on all ranks;
-- a rejected iteration is moved to `<root>/<rank>/quarantined/`, never deleted and never tried again.
+- a rejected iteration is moved to `<root>/<rank>/quarantined/`, never deleted and never tried again;
+- with --async-save the trainer only stages the state: sealing, replicating and writing happen in the
+  background worker (NVRx seals and replicates in the trainer).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
 from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.base_manager import CheckpointingException
 from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import (
@@ -32,8 +38,16 @@ from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager impor
 from megatron_resil import events, parallel
 from megatron_resil.checkpointing import untrusted
 from megatron_resil.checkpointing.atomic import atomic_write_text, replace_file_text
-from megatron_resil.checkpointing.replication import build_clique_strategy, comm_device
-from megatron_resil.checkpointing.sealed_shard import SealedShard, crc32_of, read_payload
+from megatron_resil.checkpointing.dcp_writer import without_torch_record_crc
+from megatron_resil.checkpointing.replication import (
+    WorkerReplication,
+    build_clique_strategy,
+    clique_groups,
+    comm_device,
+)
+from megatron_resil.checkpointing.sealed_shard import SealedShard, crc32_of, read_payload, serialize
+from megatron_resil.checkpointing.shard_writer import ChecksummingStream
+from megatron_resil.checkpointing.staging import HostStaging, structure_of
 from megatron_resil.checkpointing.tier import (
     AsyncSaveJob,
     CheckpointDataError,
@@ -61,13 +75,6 @@ class _VerifiableLocalManager(LocalCheckpointManager):
         self._ensure_dir()
         write_copy(self._local_ckpt_path_from_id(ckpt_id), self._local_ckpt_path_from_id(ckpt_id, True),
                    shard.meta, shard.payload, on_written=self.on_written)
-
-    def copies_to_write(self, id_to_shard: dict) -> list:
-        """write_copy's arguments for each copy NVRx's save would write here, for a background writer."""
-        self._ensure_dir()
-        return [(self._local_ckpt_path_from_id(ckpt_id), self._local_ckpt_path_from_id(ckpt_id, True),
-                 shard.meta, shard.payload)
-                for ckpt_id, shard in id_to_shard.items()]
 
     def _save_fn(self, id_to_state_dict) -> None:
         # NVRx raises here on the failing rank only, leaving the others in the barrier that
@@ -107,11 +114,47 @@ def write_copy(final: Path, dirty: Path, meta: dict, payload: torch.Tensor, on_w
     dirty.rename(final)
 
 
-def write_copies(copies: list) -> None:
-    """An async local save's background work (in the worker process): write every copy this rank
-    holds, its own shard and its peers' replicas."""
-    for final, dirty, meta, payload in copies:
-        write_copy(final, dirty, meta, payload)
+def seal_and_write(state: MCoreTensorAwareStateDict, iteration: int, owner: int, layout: str, directory: str,
+                   paths: dict[int, tuple[str, str]],
+                   replication: WorkerReplication | None) -> tuple[None, dict[str, float]]:
+    """An async local save's background work, all of it in the worker process: serialise this rank's staged
+    state, checksum the bytes (the seal), send them to the clique's other workers and receive theirs
+    (--replication), and write every copy this rank holds under `paths` ({owner: (final, dirty)}).
+    Returns the seconds of each phase."""
+    os.makedirs(directory, exist_ok=True)
+    if replication is None:
+        began = time.monotonic()
+        write_streamed(*map(Path, paths[owner]), state, {"iteration": iteration, "owner": owner,
+                                                         "layout": layout})
+        return None, {"write": time.monotonic() - began}
+    phases, began = {}, time.monotonic()
+    payload = serialize(state)
+    phases["serialize"], began = time.monotonic() - began, time.monotonic()
+    shard = SealedShard.of_bytes(payload, iteration=iteration, owner=owner)
+    shard.meta["layout"] = layout
+    phases["checksum"], began = time.monotonic() - began, time.monotonic()
+    copies, _ = replication.strategy().replicate(shard, (iteration, owner, SESSION))
+    phases["replicate"], began = time.monotonic() - began, time.monotonic()
+    for copy in copies:
+        final, dirty = paths[copy.meta["owner"]]
+        write_copy(Path(final), Path(dirty), copy.meta, copy.payload)
+    phases["write"] = time.monotonic() - began
+    return None, phases
+
+
+def write_streamed(final: Path, dirty: Path, state: MCoreTensorAwareStateDict, meta: dict) -> None:
+    """The one copy of a shard nothing else needs in memory (no replica to send): serialised straight into
+    its `dirty` file, its size and CRC32 (the seal) taken as the bytes go out, in one pass over the data;
+    then its manifest and the rename, as write_copy does them."""
+    dirty.unlink(missing_ok=True)
+    with open(dirty, "wb") as f:
+        stream = ChecksummingStream(f)
+        with without_torch_record_crc():
+            torch.save(state, stream)
+        f.flush()
+    sealed = {**meta, "size": stream.size, "crc32": stream.checksum, "format": "sealed-v1"}
+    atomic_write_text(str(final) + MANIFEST_SUFFIX, json.dumps(sealed))
+    dirty.rename(final)
 
 
 def _iteration_of(name: str) -> int:
@@ -125,7 +168,8 @@ def _owner_of(name: str) -> int:
 class LocalTier(CheckpointTier):
     supports_async_save = True
     def __init__(self, root: str, *, algo: str = "fully_parallel", replication: tuple[int, int] | None = None,
-                 verify_checksums: bool = True, parallel_layout: str = "") -> None:
+                 verify_checksums: bool = True, parallel_layout: str = "",
+                 async_timeout_s: float = 600.0) -> None:
         self.root = root
         # Each shard is one rank's part under one parallel layout (recorded in its manifest): under
         # another (fewer nodes after a loss, more after a return) it belongs to no rank of this run.
@@ -133,10 +177,14 @@ class LocalTier(CheckpointTier):
         self.name = "local"
         self.algo = algo
         self.verify_checksums = verify_checksums
+        self.replication = replication
+        self.async_timeout_s = async_timeout_s  # how long the workers wait for each other to replicate
         strategy = build_clique_strategy(*replication) if replication else None
         self.manager = _VerifiableLocalManager(root, strategy)
         self.on_staged = None
         self._fetched: tuple[int, MCoreTensorAwareStateDict] | None = None
+        self._cleaner: threading.Thread | None = None  # removing an async save's older iteration
+        self._async_spread: tuple | None = None  # (the state's structure, its data-parallel spread)
 
     @property
     def my_dir(self) -> Path:
@@ -154,6 +202,7 @@ class LocalTier(CheckpointTier):
         return found
 
     def candidates(self) -> list[TierCandidate]:
+        self._cleaned()
         mine = sorted({_iteration_of(p.name) for p in self._my_files().values()})
         everywhere = sorted({it for part in parallel.all_gather_object(mine) for it in part}, reverse=True)
         return [TierCandidate(self.name, it, self._describe(it), "node-local shards") for it in everywhere]
@@ -305,6 +354,7 @@ class LocalTier(CheckpointTier):
         return shard
 
     def save(self, sharded_state: dict, iteration: int) -> str:
+        self._cleaned()
         shard = self._seal(sharded_state, iteration)
         self.manager.on_written = self.on_staged
         try:
@@ -322,17 +372,49 @@ class LocalTier(CheckpointTier):
                             + "; ".join(failures), tier=self.name, iteration=iteration)
         return self._describe(iteration)
 
-    def save_async(self, sharded_state: dict, iteration: int) -> AsyncSaveJob:
-        """Seal and replicate collectively (the replicas travel now, as bytes in host memory); the
-        worker writes this rank's copies; publishing checks every shard is on disk somewhere and
-        only then lets NVRx drop the older iteration."""
-        request = self.manager.save(self._seal(sharded_state, iteration), iteration, is_async=True)
-        (id_to_shard,) = request.async_fn_args
-        return AsyncSaveJob(iteration, write_copies, (self.manager.copies_to_write(id_to_shard),),
-                            lambda _: self._publish_async(iteration),
+    def save_async(self, sharded_state: dict, iteration: int, host: HostStaging,
+                   workers: str = "") -> AsyncSaveJob:
+        """The trainer's part: the collective spread of the state over data-parallel ranks and the copy of
+        this rank's share into `host`; nothing is serialised, checksummed, written or sent here. The worker
+        seals, replicates and writes (seal_and_write); publishing checks every shard is on disk somewhere
+        and only then lets NVRx drop the older iteration. `workers`: the workers' generation (AsyncSaves),
+        the name of their replication group."""
+        # The spread over data-parallel ranks of the last async save holds while the structure is the same
+        # on every rank (one small all-reduce says so); megatron-core then skips its exchange and validation.
+        structure = structure_of(sharded_state)
+        kept = self._async_spread
+        same = parallel.all_ranks_agree(kept is not None and kept[0] == structure)
+        state, spread = MCoreTensorAwareStateDict.from_state_dict(
+            sharded_state, algo=self.algo, parallelization_group=_dp_group(),
+            cached_metadata=kept[1] if same else None)
+        self._async_spread = (structure, spread)
+        mine = [sh for sh in nested_values(state.sharded_state_dict)
+                if isinstance(sh, ShardedTensor) and sh.data is not None]
+        for sh, staged in zip(mine, host.stage([sh.data.detach() for sh in mine]), strict=True):
+            if sh.data.device.type != "cpu":  # where the load puts it back (copy_tensors_to_cpu's record)
+                sh.orig_device = sh.data.device.type
+            sh.data = staged
+        self.manager.latest_iteration = -1  # NVRx refuses iterations below its cache (after a rollback)
+        me = parallel.rank()
+        owners = [me]
+        replication = None
+        if self.replication is not None:
+            owners = next(group for group in clique_groups(dist.get_world_size(), *self.replication)
+                          if me in group)
+            try:
+                replication = WorkerReplication.for_this_job(workers, *self.replication,
+                                                             timeout_s=self.async_timeout_s)
+            except RuntimeError as err:  # the same store on every rank: every rank drops the save
+                raise CheckpointSaveError(f"local iteration {iteration}: {err}") from None
+        paths = {owner: (str(self.manager._local_ckpt_path_from_id((iteration, owner, SESSION))),
+                         str(self.manager._local_ckpt_path_from_id((iteration, owner, SESSION), True)))
+                 for owner in owners}
+        work_args = (state, iteration, me, self.parallel_layout, str(self.my_dir), paths, replication)
+        return AsyncSaveJob(iteration, seal_and_write, work_args, lambda _: self._publish_async(iteration),
                             lambda: self.manager._cleanup_failed_save(iteration))
 
     def _publish_async(self, iteration: int) -> str:
+        self._cleaned()
         if self.on_staged is not None:
             self.on_staged(iteration)
         # NVRx's own completeness check (every rank's shard present), as its synchronous save does.
@@ -343,8 +425,17 @@ class LocalTier(CheckpointTier):
             self.manager._cleanup_failed_save(iteration)
             raise CheckpointSaveError(f"local checkpoint of iteration {iteration} is incomplete "
                                       f"(newest complete iteration: {complete})")
-        self.manager._cleanup(iteration)
+        # Unlinking the older iteration's large files is left to a thread (as NVRx's async save does): the
+        # trainer's share of a save stays its staging. Whatever lists this rank's files waits for it first.
+        self._cleaner = threading.Thread(target=self.manager._cleanup, args=(iteration,),
+                                         name="ckpt-local-cleanup", daemon=True)
+        self._cleaner.start()
         return self._describe(iteration)
+
+    def _cleaned(self) -> None:
+        if self._cleaner is not None:
+            self._cleaner.join()
+            self._cleaner = None
 
     def startup_cleanup(self) -> None:
         removed, failures = 0, []

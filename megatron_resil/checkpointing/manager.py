@@ -21,7 +21,6 @@ from megatron_resil import events, exit_codes, parallel
 from megatron_resil.checkpointing import layout, loader, state
 from megatron_resil.checkpointing.async_save import AsyncSaves
 from megatron_resil.checkpointing.canary import LoadCanary
-from megatron_resil.checkpointing.dcp_writer import prepare_for_saving
 from megatron_resil.checkpointing.global_tier import PARTIAL_LOADS, GlobalTier
 from megatron_resil.checkpointing.local_tier import LocalTier
 from megatron_resil.checkpointing.resumed_schedule import ScheduleMismatch
@@ -54,6 +53,7 @@ class CheckpointConfig:
     async_save: bool
     async_timeout_secs: float
     async_max_failures: int
+    async_when_busy: str  # an interval save due while the previous async one is being written: wait or skip
     ckpt_format: str
     assume_constant_structure: bool
     verify_integrity: bool  # Megatron-LM's SHA-256 manifest: written by saves, required by loads
@@ -79,6 +79,7 @@ class CheckpointConfig:
                    canary_iters=args.non_persistent_canary_iters,
                    async_save=args.async_save, async_timeout_secs=args.async_save_timeout_secs,
                    async_max_failures=args.async_save_max_failures,
+                   async_when_busy=args.async_save_when_busy,
                    ckpt_format=args.ckpt_format,
                    assume_constant_structure=args.ckpt_assume_constant_structure,
                    verify_integrity=args.verify_integrity, strictness=args.dist_ckpt_strictness)
@@ -108,8 +109,11 @@ class CheckpointManager:
                     ckpt_format=tier.ckpt_format if isinstance(tier, GlobalTier) else "torch_dist")
                 tier.max_rank_bytes = state.max_rank_bytes(model)
         self.canary = LoadCanary(config.canary_iters)
-        self.async_saves = AsyncSaves(config.async_timeout_secs, config.async_max_failures) \
-            if config.async_save else None
+        self.async_saves = None
+        if config.async_save:
+            self.async_saves = AsyncSaves(config.async_timeout_secs, config.async_max_failures,
+                                          config.async_when_busy)
+            self.async_saves.worker.start()  # its start-up (imports) overlaps the load and first iterations
         self.last_saved_iteration: int | None = None
         self.kept_diagnostic: int | None = None  # after a rerun fallback: never overwrite this iteration
         self._load_optim, self._load_rng = config.load_optim, config.load_rng
@@ -123,13 +127,10 @@ class CheckpointManager:
 
     # ---- load ----------------------------------------------------------------------------------
     def load(self) -> TrainProgress:
-        progress = self._load()
-        if self.async_saves is not None:
-            prepare_for_saving()  # training will start: get the writer's helper process going now
-            self.async_saves.worker.start()  # its start-up (imports) overlaps the first iterations
-        return progress
+        return self._load()
 
     def _load(self, persistent_only: bool = False) -> TrainProgress:
+        self.before_state_changes()  # a load overwrites what a pending async save may still be copying
         if self.config.load is None:
             return TrainProgress()
         tiers: list[CheckpointTier] = [self._persistent_tier()]
@@ -276,8 +277,13 @@ class CheckpointManager:
         iteration = progress.iteration
         published = self.async_saves.poll() if self.async_saves is not None else False
         if self.save_tier is not None and _due(iteration, self.config.save_interval):
+            if self._skipped_while_busy(self.save_tier, iteration, self.config.save_interval):
+                return published
             return self.save(progress, final=False) or published
         if self.non_persistent_tier is not None and _due(iteration, self.config.non_persistent_interval):
+            interval = self.config.non_persistent_interval
+            if self._skipped_while_busy(self.non_persistent_tier, iteration, interval):
+                return published
             try:
                 self._save_to(self.non_persistent_tier, progress, use_async=True)
             except CheckpointSaveError as err:
@@ -288,6 +294,44 @@ class CheckpointManager:
                 return published
             return True
         return published
+
+    def before_state_changes(self) -> None:
+        """Before the optimizer step (or anything else that writes the model's or the optimizer's state): a
+        pending async save's copy of that state is completed first. The trainer's only wait for a save."""
+        if self.async_saves is not None:
+            self.async_saves.before_state_changes()
+
+    def _skipped_while_busy(self, tier: CheckpointTier, iteration: int, interval: int) -> bool:
+        """Collective. An async save of `tier` is due while the previous one is still being written: with
+        --async-save-when-busy skip it is skipped (True), with wait the trainer waits for the previous one
+        (False: then save). The first time is said in one line with the figures, every time in the event
+        log."""
+        saves = self.async_saves
+        if saves is None or saves.pending is None or not tier.supports_async_save:
+            return False  # poll() above agreed on every rank whether the previous save is through
+        pending = saves.pending
+        writing = max(parallel.all_gather_object(saves.writing_for()))
+        began = time.monotonic() - pending.started
+        skip = saves.when_busy == "skip"
+        figures = {"tier": tier.name, "iteration": iteration, "busy_with": pending.tier.name,
+                   "busy_iteration": pending.job.iteration, "writing_seconds": round(writing, 3),
+                   "since_started_seconds": round(began, 3), "interval": interval,
+                   "action": saves.when_busy}
+        if not saves.said_busy:
+            saves.said_busy = True
+            then = (f"skipping this save (--async-save-when-busy skip); the next is due at iteration "
+                    f"{iteration + interval}" if skip else
+                    "waiting for it (--async-save-when-busy wait; skip would train on without this save)")
+            events.decision(
+                "save", f"the {tier.name} save of iteration {iteration} is due while the async save of "
+                f"{pending.tier.name} iteration {pending.job.iteration} is still being written (in the "
+                f"background for {writing:.1f} s; it began {began:.1f} s ago, and saves are due every "
+                f"{interval} iterations): saves are asked for faster than they can be written; {then}. Said "
+                "once; each time is in the event log (save_busy)", **figures)
+        events.record("save_busy", **figures)
+        if not skip:
+            saves.wait()
+        return skip
 
     def save(self, progress: TrainProgress, final: bool = True) -> bool:
         """A persistent save (interval, exit or end of training), unless this iteration is on disk.
@@ -346,7 +390,8 @@ class CheckpointManager:
 def _non_persistent_tier(config: CheckpointConfig, layout_of_run: str) -> CheckpointTier | None:
     if config.local_dir is not None:
         return LocalTier(config.local_dir, algo=config.local_algo, replication=config.replication,
-                         verify_checksums=config.verify_checksums, parallel_layout=layout_of_run)
+                         verify_checksums=config.verify_checksums, parallel_layout=layout_of_run,
+                         async_timeout_s=config.async_timeout_secs)
     if config.non_persistent_dir is not None:
         # Megatron-LM's non-persistent global checkpoints are distributed ones (its legacy format has no
         # such path): with --ckpt-format torch they stay torch_dist.

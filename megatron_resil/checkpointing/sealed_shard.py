@@ -4,7 +4,8 @@ replicates and verifies.
 The owner turns its tensor-aware state dict into bytes and records their size and CRC32 at that
 moment. Every copy, its own file or a replica on another node, is those same bytes, so one checksum
 computed by the owner verifies all of them, at rest and after every transfer. (NVRx replicates the
-tensors and each holder pickles them again, so a copy could never be checked against its owner.)
+tensors and each holder pickles them again, so a copy could never be checked against its owner.) With
+--async-save the sealing is done by the owner's background worker, from the state its trainer staged.
 
 Reading a shard unpickles it with `torch.load(weights_only=True)` (its archive first checked to hold no
 compressed entry: safe_load, torch_archive) and only megatron-core's three checkpoint classes allowed, and
@@ -24,13 +25,23 @@ from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensor
 from nvidia_resiliency_ext.checkpointing.local.base_state_dict import TensorAwareStateDict
 
 from megatron_resil.checkpointing import safe_load, untrusted
+from megatron_resil.checkpointing.dcp_writer import without_torch_record_crc
 from megatron_resil.checkpointing.manifest import extend_checksum
 
 _SAFE_CLASSES = (MCoreTensorAwareStateDict, ShardedTensor, ShardedObject)
 
 
+def serialize(state: MCoreTensorAwareStateDict) -> torch.Tensor:
+    """A shard's bytes: torch.save of the state into memory, without torch's own per-record CRCs (the
+    seal's checksum covers every byte), as a uint8 tensor over that memory (not a copy of it)."""
+    buffer = io.BytesIO()
+    with without_torch_record_crc():
+        torch.save(state, buffer)
+    return torch.frombuffer(buffer.getbuffer(), dtype=torch.uint8)
+
+
 def crc32_of(data) -> int:
-    """CRC-32 with zlib's values, by ISA-L where installed (the seal is in the trainer's path)."""
+    """CRC-32 with zlib's values, by ISA-L where installed (every save and every load runs it)."""
     return extend_checksum(0, memoryview(data).cast("B"), "crc32")
 
 
@@ -108,10 +119,12 @@ class SealedShard(TensorAwareStateDict):
     @classmethod
     def seal(cls, state: MCoreTensorAwareStateDict, *, iteration: int, owner: int,
              comm_device: str = "cpu") -> SealedShard:
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        # A view of the serialized bytes, not a copy (the buffer stays alive with the view).
-        payload = torch.frombuffer(buffer.getbuffer(), dtype=torch.uint8)
+        return cls.of_bytes(serialize(state), iteration=iteration, owner=owner, comm_device=comm_device)
+
+    @classmethod
+    def of_bytes(cls, payload: torch.Tensor, *, iteration: int, owner: int,
+                 comm_device: str = "cpu") -> SealedShard:
+        """The owner's seal of its serialized shard: the bytes' size and CRC32, computed now."""
         meta = {"iteration": iteration, "owner": owner, "size": payload.numel(),
                 "crc32": crc32_of(payload.numpy())}
         return cls(payload, meta, comm_device)

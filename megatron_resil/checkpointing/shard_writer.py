@@ -15,18 +15,23 @@ are taken before the fsync and catch what happens to the file afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 
 from megatron_resil.checkpointing.manifest import CHECKSUM, checksum_files, extend_checksum
+from megatron_resil.checkpointing.staging import HostStaging
 
 
-class _ChecksummingStream:
+class ChecksummingStream:
     """The file as torch.save and DCP see it (write, tell, flush), with a running checksum."""
 
     def __init__(self, file) -> None:
@@ -60,9 +65,9 @@ _written: dict[str, dict] = {}
 _written_lock = threading.Lock()
 
 
-def _write_records(transforms: list, bucket, file) -> tuple[list, _ChecksummingStream]:
+def _write_records(transforms: list, bucket, file) -> tuple[list, ChecksummingStream]:
     _path, storage_key, (bytes_data, tensor_data) = bucket
-    stream = _ChecksummingStream(file)
+    stream = ChecksummingStream(file)
     # torch's private record writer and megatron-core's private save hook below are dependencies the
     # patches check at start-up (patches/torch_dcp.py, patches/megatron_core.py).
     results = [dcp_filesystem._write_item(*transforms, stream, data, item, storage_key,
@@ -72,7 +77,7 @@ def _write_records(transforms: list, bucket, file) -> tuple[list, _ChecksummingS
     return results, stream
 
 
-def _fsync_and_record(file, stream: _ChecksummingStream) -> None:
+def _fsync_and_record(file, stream: ChecksummingStream) -> None:
     with file:
         os.fsync(file.fileno())
         on_disk = os.fstat(file.fileno()).st_size
@@ -112,15 +117,55 @@ def write_buckets(transforms: list, rank: int, buckets: list, results_queue) -> 
 
 
 class ChecksummedTorchDistSaveStrategy(TorchDistSaveShardedStrategy):
-    """megatron-core's torch_dist save strategy whose shards are written by `write_buckets`."""
+    """megatron-core's torch_dist save strategy whose shards are written by `write_buckets`. For an async
+    save it also stages what this rank writes (its main replicas, after the data-parallel spread is
+    decided) in host buffers, and leaves its write results to travel back from the worker with its own
+    reply instead of through a queue process."""
+
+    host: HostStaging | None = None  # set around an async save (staged_in)
+    results_queue = None  # where the last async save's finalisation reads this rank's write results
+
+    def async_save(self, sharded_state_dict, checkpoint_dir, *args, **kwargs):
+        # megatron-core 0.19 also passes the async strategy ("mcore" or "nvrx"); 0.16 does not.
+        if self.host is not None:
+            mine = [sh for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedTensor)
+                    and sh.data is not None and is_main_replica(sh.replica_id)]
+            for sh, staged in zip(mine, self.host.stage([sh.data.detach() for sh in mine]), strict=True):
+                sh.data = staged
+        return super().async_save(sharded_state_dict, checkpoint_dir, *args, **kwargs)
 
     def _get_save_and_finalize_callbacks(self, writer, save_state_dict_ret, *async_strategy):
         # megatron-core 0.19 also passes the async strategy ("mcore" or "nvrx"); 0.16 does not.
         request = super()._get_save_and_finalize_callbacks(writer, save_state_dict_ret, *async_strategy)
+        self.results_queue = None
         if request.async_fn is None:  # nothing to write on this rank
             return request
         transforms = [writer.transforms] if hasattr(writer, "transforms") else []
-        return request._replace(async_fn=partial(write_buckets, transforms))
+        args = list(request.async_fn_args)
+        if self.host is not None:  # the worker writes: it reports in its own process (write_own_shards)
+            self.results_queue, args[2] = writer.results_queue, None
+        return request._replace(async_fn=partial(write_buckets, transforms), async_fn_args=args)
+
+
+def _base(strategy) -> ChecksummedTorchDistSaveStrategy:
+    return getattr(strategy, "base_strategy", strategy)  # under FullyParallelSaveStrategyWrapper or not
+
+
+@contextlib.contextmanager
+def staged_in(strategy, host: HostStaging) -> Iterator[None]:
+    """Within, an async save through `strategy` stages this rank's tensors in `host`."""
+    base = _base(strategy)
+    base.host = host
+    try:
+        yield
+    finally:
+        base.host = None
+
+
+def results_queue_of(strategy):
+    """The queue the last async save through `strategy` reads this rank's write results from (None: this
+    rank wrote nothing)."""
+    return _base(strategy).results_queue
 
 
 def own_shard_checksums(staging: str, rank: int) -> dict:

@@ -33,6 +33,10 @@ _COMMON = "megatron.core.dist_checkpointing.strategies.common"
 _ROUTER = "megatron.core.transformer.moe.router"  # imported by every run (pipeline schedules import it)
 _FILESYSTEM_ASYNC = "megatron.core.dist_checkpointing.strategies.filesystem_async"
 _RERUN = "megatron.core.rerun_state_machine"
+_TORCH_STRATEGY = "megatron.core.dist_checkpointing.strategies.torch:TorchDistSaveShardedStrategy"
+_FULLY_PARALLEL = ("megatron.core.dist_checkpointing.strategies.fully_parallel"
+                   ":FullyParallelSaveStrategyWrapper")
+_TENSOR_AWARE = "megatron.core.dist_checkpointing.tensor_aware_state_dict:MCoreTensorAwareStateDict"
 
 
 # ---- torch.compile deferred in megatron.core.jit -------------------------------------------------------
@@ -435,6 +439,11 @@ def _rerun_fresh_step_forgets_the_last_rejection() -> None:
 _DIST_OPTIMIZER_CKPT = "megatron.core.dist_checkpointing.optimizer"
 
 
+def _async_local_saves(args) -> bool:
+    return args is None or (getattr(args, "async_save", False)
+                            and getattr(args, "non_persistent_ckpt_type", None) == "local")
+
+
 def _uses_torch_fsdp2(args) -> bool:
     return args is None or getattr(args, "use_torch_fsdp2", False)
 
@@ -653,7 +662,9 @@ PATCHES = (
                "._get_save_and_finalize_callbacks",
         why="ChecksummedTorchDistSaveStrategy overrides this private method to write the planned buckets "
             "itself, checksumming as it writes; it takes the request's async_fn arguments as megatron-core's "
-            "writer builds them",
+            "writer builds them. For an async save it also overrides async_save to stage the main replicas "
+            "this rank writes (the data-parallel spread is applied before, and only main replicas are kept), "
+            "and feeds the worker's write results to the queue the writer's finalisation reads",
         checks=(
             Takes("megatron.core.dist_checkpointing.strategies.torch:TorchDistSaveShardedStrategy"
                   "._get_save_and_finalize_callbacks", ("self", "writer", "save_state_dict_ret"), more=True),
@@ -661,15 +672,21 @@ PATCHES = (
             Has("megatron.core.dist_checkpointing.strategies.async_utils:AsyncRequest._replace"),
             Says(f"{_FILESYSTEM_ASYNC}:FileSystemWriterAsync.get_save_function_and_args",
                  "[torch.distributed.get_rank(), self.write_buckets, self.results_queue]"),
+            Takes(f"{_TORCH_STRATEGY}.async_save", ("self", "sharded_state_dict", "checkpoint_dir")),
+            Says(f"{_TORCH_STRATEGY}.async_save", "self.keep_only_main_replica"),
+            Says(f"{_FULLY_PARALLEL}.async_save", "self.apply_saving_parallelization(sharded_state_dict)"),
+            Says(f"{_FULLY_PARALLEL}.async_save", "self.base_strategy.async_save("),
+            Says(f"{_FILESYSTEM_ASYNC}:FileSystemWriterAsync.retrieve_write_results",
+                 "self.results_queue.get_nowait()"),
         ),
     ),
     Patch(
         name="write results queue",
         package=PACKAGE, written_for=WRITTEN_FOR,
         target=f"{_FILESYSTEM_ASYNC}:get_write_results_queue",  # 0.16: _get_write_results_queue
-        why="megatron-core's writer asks its module's queue getter at each save; ours answers (dcp_writer): "
-            "an in-process queue for a synchronous save, a Manager started early and deaf to SIGTERM for "
-            "async saves",
+        why="megatron-core's writer asks its module's queue getter at each save; ours answers (dcp_writer) "
+            "with an in-process queue for every save: a synchronous save's writer reports in this process, "
+            "an async save's worker sends its results back with its reply",
         checks=(AnyOf((Has(f"{_FILESYSTEM_ASYNC}:get_write_results_queue"),
                        Has(f"{_FILESYSTEM_ASYNC}:_get_write_results_queue"))),
                 AnyOf((Says(f"{_FILESYSTEM_ASYNC}:FileSystemWriterAsync.prepare_write_data",
@@ -680,6 +697,17 @@ PATCHES = (
         on_mismatch=STAND_DOWN,
         without="megatron-core starts its own Manager, which costs each rank an interpreter and dies with a "
                 "job-wide SIGTERM",
+    ),
+    Patch(
+        name="local tier's staged state",
+        package=PACKAGE, written_for=WRITTEN_FOR,
+        target=f"{_TENSOR_AWARE}.restore_tensor_device",
+        why="an async local save stages the tensors of megatron-core's tensor-aware state dict itself and "
+            "marks each that came from a GPU with `orig_device`, as its copy_tensors_to_cpu does, so that a "
+            "load puts it back there",
+        checks=(Says(f"{_TENSOR_AWARE}.copy_tensors_to_cpu", 'setattr(sh_ten, "orig_device", '),
+                Says(f"{_TENSOR_AWARE}.restore_tensor_device", "sh_ten.data.to(sh_ten.orig_device")),
+        when=_async_local_saves,
     ),
     Patch(
         name="common.pt reader subclass",

@@ -150,6 +150,10 @@ def _uses_replication(args: argparse.Namespace | None) -> bool:
     return _uses_local_tier(args) and (args is None or bool(getattr(args, "replication", False)))
 
 
+def _async_replication(args: argparse.Namespace | None) -> bool:
+    return _uses_replication(args) and (args is None or bool(getattr(args, "async_save", False)))
+
+
 PATCHES = (
     Patch(
         name="NVRx's GPU health checks left out of in-process restarts without CUDA",
@@ -230,6 +234,16 @@ PATCHES = (
                                                    "copy_tensors_to_cpu", "tensors")),
         ),
         when=_uses_replication,
+    ),
+    Patch(
+        name="replication in the async workers",
+        package=PACKAGE, written_for=WRITTEN_FOR,
+        target=f"{_LOCAL}.replication.strategies:CliqueReplicationStrategy.replicate",
+        why="with --async-save each rank's background worker calls replicate on its sealed shard, over the "
+            "workers' own gloo group, and writes the copies it gets back (checkpointing/local_tier.py)",
+        checks=(Takes(f"{_LOCAL}.replication.strategies:CliqueReplicationStrategy.replicate",
+                      ("self", "local_ckpt", "id_")),),
+        when=_async_replication,
     ),
     Patch(
         name=KEEP_ALIVE,

@@ -1,6 +1,7 @@
 """torch's distributed checkpoint (DCP): its two unpicklers routed through our allow-lists, and the private
-names of its filesystem module our shard writer and checkpoint checks use. Why a checkpoint is read only
-through allow-lists: checkpointing/safe_load.py."""
+names of its filesystem module our shard writer and checkpoint checks use; and the private names of torch
+that async saves use (the shared-memory staging arena, the trainers' store the workers meet in). Why a
+checkpoint is read only through allow-lists: checkpointing/safe_load.py."""
 
 from __future__ import annotations
 
@@ -59,6 +60,15 @@ def _byte_items_read_weights_only() -> None:
 
 _WRITE_ITEM_PARAMS = ("stream", "data", "write_item", "storage_key", "serialization_format")
 
+
+def _async_saves(args) -> bool:
+    return args is None or bool(getattr(args, "async_save", False))
+
+
+def _async_replication(args) -> bool:
+    return _async_saves(args) and (args is None or (getattr(args, "non_persistent_ckpt_type", None) == "local"
+                                                    and bool(getattr(args, "replication", False))))
+
 PATCHES = (
     Patch(
         name="DCP .metadata read through an allow-list",
@@ -100,6 +110,29 @@ PATCHES = (
                    Takes(f"{_FILESYSTEM}:_write_item", _WRITE_ITEM_PARAMS))),
             Has(f"{_FILESYSTEM}:SerializationFormat.TORCH_SAVE"),
         ),
+    ),
+    Patch(
+        name="async staging arena",
+        package=PACKAGE, written_for=WRITTEN_FOR,
+        target="torch.storage:_StorageBase",
+        why="an async save's staging arena is allocated straight in shared memory with UntypedStorage's "
+            "private constructor _new_shared (checkpointing/staging.py), so that the worker maps it without "
+            "a copy",
+        # In its class: a classmethod's bound object is new on each access.
+        checks=(Says("torch.storage:_StorageBase", "def _new_shared(cls, size, *, device="),
+                Says("torch.storage:_StorageBase", "return cls._new_using_fd_cpu(size)")),
+        when=_async_saves,
+    ),
+    Patch(
+        name="async workers' replication store",
+        package=PACKAGE, written_for=WRITTEN_FOR,
+        target="torch.distributed.distributed_c10d:_get_default_store",
+        why="with --async-save the local tier's replicas are exchanged by the background workers, which meet "
+            "in the TCP store under the trainers' default process group (checkpointing/replication.py)",
+        checks=(Has("torch.distributed.distributed_c10d:_get_default_store"),
+                Has("torch.distributed:PrefixStore.underlying_store"), Has("torch.distributed:TCPStore.host"),
+                Has("torch.distributed:TCPStore.port")),
+        when=_async_replication,
     ),
     Patch(
         name="DCP metadata file name",

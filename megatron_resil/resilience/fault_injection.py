@@ -27,6 +27,7 @@ class FaultInjector:
         self.here = self.kind is not None and parallel.rank() in args.inject_fault_ranks
         self.marker_dir = os.path.join(args.save, ".injected_faults") if args.save else None
         self.model = model  # flip-weight's target: this rank's model chunks
+        self.before_writing_state = None  # called before flip-weight writes (a pending async save's copy)
         self._struck = False
         self._slowing = False
 
@@ -93,6 +94,8 @@ class FaultInjector:
         flipped.view({4: torch.int32, 2: torch.int16}[flipped.element_size()]).bitwise_xor_(1 << bit)
         if self._strike(f"before iteration {iteration}: bit {bit} of element {index} of {name}, "
                         f"{float(flat[index]):.6g} -> {float(flipped):.6g}"):
+            if self.before_writing_state is not None:
+                self.before_writing_state()
             flat[index:index + 1].copy_(flipped)
 
     def poison_loss(self, loss: torch.Tensor, iteration: int) -> torch.Tensor:

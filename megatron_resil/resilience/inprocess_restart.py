@@ -26,13 +26,11 @@ import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.managers import SyncManager
 
 import torch
 import torch.distributed as dist
 
 from megatron_resil import events, exit_codes, parallel
-from megatron_resil.checkpointing import dcp_writer
 
 with warnings.catch_warnings():  # NVRx's pynvml deprecation warning is noise on every rank
     warnings.simplefilter("ignore")
@@ -304,16 +302,7 @@ class BetweenAttempts(inprocess.finalize.Finalize):
 def _stop_checkpoint_writers() -> None:
     """The failed attempt's checkpoint writers must not outlive it: the next attempt removes unpublished
     staging directories when it starts and may save the same iteration again. They are this process's
-    children (our async-save worker, megatron-core's forked writers), all but the Manager process that
-    serves megatron-core's write-results queue, which lives as long as the process (dcp_writer.py)."""
+    children (our async-save worker, and whatever megatron-core's writer forked)."""
     for child in multiprocessing.active_children():
-        if not child.name.startswith(f"{SyncManager.__name__}-"):  # BaseManager names its process so
-            child.kill()
-            child.join(5)
-    # A save interrupted between writing and collecting its results leaves them in that queue, where
-    # the next save would take them for its own. (A queue that is itself broken is the next save's to
-    # report, not a reason to end the job here.)
-    results = dcp_writer.async_results_queue()
-    with contextlib.suppress(Exception):
-        while results is not None and not results.empty():
-            results.get_nowait()
+        child.kill()
+        child.join(5)

@@ -1,5 +1,5 @@
 """What every step of the GPU check shares: the profile, the launcher, the deadline, the runs earlier steps
-left for later ones (the uninterrupted run's losses, the save variants' timed windows), and each step's
+left for later ones (the uninterrupted run's losses, the save variants' timings), and each step's
 result: passed, failed or skipped, with its reason and its figures."""
 
 from __future__ import annotations
@@ -45,8 +45,7 @@ class Check:
     cuda: bool
     transformer_engine: bool
     reference: dict[int, tuple[str, str]] = field(default_factory=dict)  # the uninterrupted run's losses
-    windows: dict[str, dict] = field(default_factory=dict)  # save variant -> its timed loop, for the ratio
-    train_iteration_ms: list[float] = field(default_factory=list)  # steady-state, for the step-time ratio
+    windows: dict[str, dict] = field(default_factory=dict)  # save variant -> its loop and saves (the ratio)
     straggler_output: str = ""  # the straggler run's log, judged again for NVRx's GPU path
     reproducible: bool | None = None  # did every save variant repeat the train run's losses exactly?
 
