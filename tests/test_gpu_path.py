@@ -60,7 +60,8 @@ def _worker_recording_calls(device_index: int, staging: str, record: str) -> Non
     # One bucket holding a tensor off the host (as a GPU rank's unstaged one), so the preload is due.
     write_args = ("plan", [(None, None, (None, [(None, torch.empty(1, device="meta"))]))], "results")
     job = io.BytesIO()  # as the trainer sends a job: pickled, staged tensors as references into the arena
-    ArenaPickler(job, None, 0).dump((write_own_shards, (0, staging, _record_write, _record_preload, write_args)))
+    work_args = (0, staging, _record_write, _record_preload, write_args)
+    ArenaPickler(job, None, 0).dump((write_own_shards, work_args))
     requests.put((1, job.getvalue()))
     requests.put(None)
     async_save._worker_loop(os.getppid(), device_index, requests, results)
