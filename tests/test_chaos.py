@@ -55,7 +55,8 @@ FT_ARGS = ("--ft-rank-section-timeouts setup:120,step:6,checkpointing:30 --ft-ra
 
 
 def _args(save: Path) -> list[str]:
-    return [*launch.TINY_MODEL, *launch.TINY_TRAINING, "--log-interval", "5", "--train-iters", str(TRAIN_ITERS),
+    return [*launch.TINY_MODEL, *launch.TINY_TRAINING, "--log-interval", "5",
+            "--train-iters", str(TRAIN_ITERS),
             "--save", str(save), "--load", str(save), "--save-interval", "5", "--ckpt-keep-last", "3",
             "--exit-signal-handler", "--enable-ft-package", "--rerun-mode", "disabled",
             "--inject-fault", "nan-loss", "--inject-fault-iteration", "50", "--inject-fault-ranks", "1",

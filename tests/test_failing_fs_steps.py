@@ -52,7 +52,8 @@ def test_cleanup_and_retention_failures_on_one_rank_are_logged_and_the_run_finis
     assert second.returncode == 0, out[-4000:]
     assert "Traceback" not in out
     assert "[resil] cleanup: could not remove" in out and ".tmp.abc123 (interrupted tracker update)" in out
-    assert "[resil] cleanup: local tier: left 1 leftover(s) in place (never loaded): rank 1: could not remove" in out
+    assert ("[resil] cleanup: local tier: left 1 leftover(s) in place (never loaded): rank 1: "
+            "could not remove") in out
     assert f"[resil] retention: could not delete {save / 'iter_0000002'}" in out and "; kept" in out
     assert f"[resil] retention: deleted {save / 'iter_0000004'}" in out  # the rest of retention went on
     assert sorted(launch.losses(out)) == [5, 6, 7, 8]

@@ -18,6 +18,7 @@ from megatron_resil import model, patches
 from megatron_resil.arguments import parse_args
 from megatron_resil.checkpointing import async_save, state
 from megatron_resil.checkpointing.global_tier import write_own_shards
+from megatron_resil.checkpointing.staging import ArenaPickler
 from tests import launch
 from tests.test_safe_load import _metadata, replace_byte_item
 
@@ -54,17 +55,32 @@ def test_the_async_save_worker_is_handed_the_trainers_device(monkeypatch):
 def _worker_recording_calls(device_index: int, staging: str, record: str) -> None:
     """In a forked child (the worker loop changes signal handling and the process name): the worker loop,
     with CUDA's set_device recorded, runs one global-tier write job whose preload is recorded too."""
-    calls = []
-    torch.cuda.set_device = lambda index: calls.append(["set_device", index])
+    torch.cuda.set_device = lambda index: _CALLS.append(["set_device", index])
     requests, results = queue.Queue(), queue.Queue()
-    write_args = ("plan", "not preloaded yet")
-    requests.put((1, write_own_shards, (0, staging, lambda *args: calls.append(["write", args[1]]),
-                                        lambda: calls.append(["preload"]) or "preloaded", write_args)))
+    # One bucket holding a tensor off the host (as a GPU rank's unstaged one), so the preload is due.
+    write_args = ("plan", [(None, None, (None, [(None, torch.empty(1, device="meta"))]))], "results")
+    job = io.BytesIO()  # as the trainer sends a job: pickled, staged tensors as references into the arena
+    work_args = (0, staging, _record_write, _record_preload, write_args)
+    ArenaPickler(job, None, 0).dump((write_own_shards, work_args))
+    requests.put((1, job.getvalue()))
     requests.put(None)
     async_save._worker_loop(os.getppid(), device_index, requests, results)
     reports = [results.get_nowait() for _ in range(results.qsize())]
     with open(record, "w") as f:
-        json.dump({"calls": calls, "reports": [list(report[:2]) for report in reports]}, f)
+        json.dump({"calls": _CALLS, "reports": [list(report[:2]) for report in reports]}, f, default=str)
+
+
+_CALLS: list = []  # what the forked child's worker loop did, in order
+
+
+def _record_write(*args) -> None:
+    _CALLS.append(["write", args[1]])
+    args[2].put("written")  # megatron-core's writer reports its results on the queue it is given
+
+
+def _record_preload() -> str:
+    _CALLS.append(["preload"])
+    return "preloaded"
 
 
 def test_the_async_save_worker_binds_its_device_before_megatron_cores_preload(tmp_path):

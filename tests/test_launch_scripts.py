@@ -171,7 +171,8 @@ def _attempt(loaded: int, published: list[int], code: int) -> list[dict]:
 
 @pytest.mark.parametrize("earlier,this,verb", [
     (_attempt(0, [], 5), _attempt(0, [], 5), "stop"),  # signalled at once, twice: a --signal lead >= --time
-    (_attempt(0, [10], 5), _attempt(10, [10], 5), "requeue"),  # the last one did nothing: once may be bad luck
+    # the last one did nothing: once may be bad luck
+    (_attempt(0, [10], 5), _attempt(10, [10], 5), "requeue"),
     (_attempt(0, [], 5), _attempt(0, [10], 5), "requeue"),  # progress in this one
     ([], _attempt(0, [], 5), "requeue"),
     (_attempt(0, [], 9), _attempt(0, [], 5), "requeue"),  # the earlier one was not a signal

@@ -36,7 +36,8 @@ def trained(tmp_path_factory):
 
 def _mount_flaky(source, mountpoint, match: str, fail_reads: int, log, stall: bool = False):
     mountpoint.mkdir()
-    proc = subprocess.Popen([sys.executable, flaky_fs.__file__, str(source), str(mountpoint), "--match", match,
+    proc = subprocess.Popen([sys.executable, flaky_fs.__file__, str(source), str(mountpoint),
+                             "--match", match,
                              "--fail-reads", str(fail_reads), *(["--stall"] if stall else [])],
                             stderr=open(log, "w"))
     deadline = time.monotonic() + 30
@@ -76,8 +77,8 @@ def test_io_errors_on_load_are_retried_then_the_candidate_is_skipped_never_quara
         assert sorted(launch.losses(out)) == [5, 6]
     else:  # still there after three attempts: skipped, and the older one is loaded
         assert len(retries) == 2 and "attempt 3 of 3" in retries[1]
-        assert f"[resil] load: skipped persistent iteration 4 ({mnt / 'iter_0000004'}): I/O errors persisted " \
-               "through 3 attempts" in out
+        skipped = f"[resil] load: skipped persistent iteration 4 ({mnt / 'iter_0000004'}): "
+        assert skipped + "I/O errors persisted through 3 attempts" in out
         assert "not quarantined" in out and "rejected" not in out
         assert "[resil] load: accepted persistent iteration 2" in out
         assert sorted(launch.losses(out)) == [3, 4, 5, 6]

@@ -316,7 +316,8 @@ def test_our_checkpoints_saved_with_verify_integrity_carry_megatron_lms_manifest
     assert f"successfully loaded checkpoint from {root} [ t 1/1, p 1/1 ] at iteration 2 " in out
 
 
-def test_a_checkpoint_without_our_manifest_is_warned_about_once_however_often_it_is_verified(tmp_path, capsys):
+def test_a_checkpoint_without_our_manifest_is_warned_about_once_however_often_it_is_verified(tmp_path,
+                                                                                            capsys):
     """--use-checkpoint-args verifies the candidate to read its arguments, then the loader verifies it."""
     root = _copy(tmp_path)
     iteration = int((root / "latest_checkpointed_iteration.txt").read_text())
