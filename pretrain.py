@@ -6,9 +6,10 @@ import signal
 import sys
 import threading
 
-from megatron_resil import restart_phases, standby
+from megatron_resil import phase_marks
+from megatron_resil.launch import standby
 
-restart_phases.interpreter_started()  # first: when the interpreter reached our code
+phase_marks.interpreter_started()  # first: when the interpreter reached our code
 if __name__ == "__main__":  # not in a spawned helper that imports this module
     standby.hand_over()  # with MEGATRON_RESIL_STANDBY: this process only mirrors a worker forked from it
 
@@ -19,10 +20,11 @@ if "--inprocess-restart" in sys.argv[1:]:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "error")
 
 from megatron_resil.arguments import parse_args  # noqa: E402 - after the log level above
+from megatron_resil.checkpointing import take_from_checkpoint  # noqa: E402
 
 
 def main() -> int:
-    args = parse_args()
+    args = parse_args(saved_args=take_from_checkpoint)  # --use-checkpoint-args between parsing and checks
     if args.check_args_only:
         print("pretrain.py: arguments are valid")
         return 0
@@ -32,7 +34,7 @@ def main() -> int:
     from megatron_resil.training import pretrain  # heavy imports only after the arguments are good
 
     if args.inprocess_restart:  # NVRx's inprocess is imported only then
-        from megatron_resil import inprocess_restart
+        from megatron_resil.resilience import inprocess_restart
 
         return inprocess_restart.run(pretrain, args)
     return pretrain(args)

@@ -512,11 +512,9 @@ def save_worker(opts: argparse.Namespace) -> None:
 
 def _alive(pid: int) -> bool:
     """False once `pid` has exited (a zombie waiting for torchrun to reap it counts as exited)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+    from megatron_resil import rank_process
+
+    return rank_process.alive(pid)
 
 
 # ---------------------------------------------------------------------------------------------

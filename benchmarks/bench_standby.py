@@ -14,11 +14,11 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import harness
 
-from megatron_resil import standby
+from megatron_resil import rank_process
+from megatron_resil.launch import standby
 
 ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--max-position-embeddings", "32", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
@@ -34,8 +34,7 @@ def _env() -> dict[str, str]:
 
 def _children_cpu(pid: int) -> float:
     """CPU seconds of the reaped children of `pid` (the standby's: its forked ranks)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")
+    return rank_process.proc_stat(pid).children_cpu_ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _launch(ranks: int, iters: int, env: dict[str, str], standby_pid: int | None) -> tuple[float, float]:
@@ -64,8 +63,8 @@ def main() -> int:
     args = parser.parse_args()
     name = f"bench-{os.getpid()}"
     env = _env()
-    server = subprocess.Popen([sys.executable, "-m", "megatron_resil.standby", "--name", name], env=env,
-                              cwd=harness.REPO, stdout=subprocess.DEVNULL)
+    server = subprocess.Popen([sys.executable, "-m", "megatron_resil.launch.standby", "--name", name],
+                              env=env, cwd=harness.REPO, stdout=subprocess.DEVNULL)
     value = f"{name}@{server.pid}"  # as a launcher's standby is named
     try:
         while not standby.ping(value):

@@ -37,9 +37,10 @@ def worker(opts: argparse.Namespace) -> None:
     logging.getLogger("megatron.core.rerun_state_machine").setLevel(logging.ERROR)  # a line per switch
 
     harness.start_worker()  # what pretrain.py installs at start-up
-    from megatron_resil import parallel, rerun
+    from megatron_resil import parallel
     from megatron_resil.progress import TrainProgress
-    from megatron_resil.straggler import TimedRanks
+    from megatron_resil.resilience import rerun
+    from megatron_resil.resilience.straggler import TimedRanks
 
     torch.set_num_threads(1)
     argv = [*harness.gpt_argv(opts.layers, opts.hidden, 4, opts.seq, 1024, opts.mbs),

@@ -119,9 +119,10 @@ def build(argv: Sequence[str] | argparse.Namespace, world_size: int | None = Non
     optimizer holds its state as in training."""
     from megatron.core import parallel_state
 
-    from megatron_resil import parallel, rerun
+    from megatron_resil import parallel
     from megatron_resil.arguments import parse_args
     from megatron_resil.data import build_datasets
+    from megatron_resil.resilience import rerun
     from megatron_resil.tokenizer import build_tokenizer
     from megatron_resil.training import build_engine
 

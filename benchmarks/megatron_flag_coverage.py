@@ -61,6 +61,7 @@ sys.path.insert(0, str(REPO))
 
 from megatron_resil import arguments, patches  # noqa: E402
 from megatron_resil.arguments.data import BUILT_TOKENIZERS  # noqa: E402
+from megatron_resil.checkpointing import take_from_checkpoint  # noqa: E402
 
 CONFIG_GLOB = ("tests/functional_tests/test_cases/gpt/*/model_config.yaml",
                "tests/functional_tests/test_cases/moe/*/model_config.yaml")
@@ -478,7 +479,7 @@ def _start_up(argv: list[str], world_size: int) -> Attempt:
     dropped: list[str] = []
     with contextlib.redirect_stderr(said), contextlib.redirect_stdout(said):
         try:
-            args = arguments.parse_args(argv, world_size=world_size)
+            args = arguments.parse_args(argv, world_size=world_size, saved_args=take_from_checkpoint)
             dropped = [line for line in said.getvalue().splitlines()
                        if line.startswith("pretrain.py: warning:") and any(d in line for d in DROPPED)]
             patches.install(args, quiet=True)

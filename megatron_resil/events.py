@@ -17,7 +17,7 @@ import socket
 import sys
 import time
 
-from megatron_resil.checkpointing.untrusted import escape_untrusted
+from megatron_resil import rank_process
 
 EVENT_LOG_NAME = "events.jsonl"
 _event_log_path: str | None = None
@@ -60,12 +60,28 @@ def _keep_reserve() -> None:
 
 
 def _is_rank0() -> bool:
-    # Imported here, not at the top: the tools that read the event log (requeue, timeline) import this
-    # module for its names and must start fast; parallel pulls in torch and megatron-core (~20 s on a
-    # loaded machine, which a launch script pays after every job step).
-    from megatron_resil import parallel
+    return rank_process.is_rank0()
 
-    return parallel.is_rank0()
+
+def escape_untrusted(text) -> str:
+    """`text` (a name or string a checkpoint chose) with every character a terminal or log would not show
+    as itself written as an escape: control characters (a newline would forge a line), lone surrogates
+    (JSON can hold them, no encoder writes them), format and unassigned characters; a byte of a file name
+    that is not UTF-8 (Python's surrogateescape) as `\\xNN`. Printable text is left alone, so escaping
+    twice changes nothing."""
+    text = str(text)
+    if text.isprintable():
+        return text
+    return "".join(char if char.isprintable() else _escaped(char) for char in text)
+
+
+def _escaped(char: str) -> str:
+    code = ord(char)
+    if 0xDC80 <= code <= 0xDCFF:  # os.listdir's stand-in for an undecodable byte of a name
+        return f"\\x{code - 0xDC00:02x}"
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
 def say(line: str, stream=None) -> None:

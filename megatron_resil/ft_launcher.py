@@ -1,85 +1,9 @@
-"""`python -m megatron_resil.ft_launcher <ft_launcher's arguments>`: NVRx's ft_launcher, run unchanged,
-that also reads torch's rendezvous keep-alive keys from `--rdzv-conf`, as torchrun does:
-
-    --rdzv-conf keep_alive_interval=S,keep_alive_max_attempt=N
-
-S seconds between a node's heartbeats, a node dropped from the rendezvous after N missed ones (whole
-numbers, at least 1; torch's and NVRx's default: 5 s and 3). After a node is lost, the surviving nodes'
-launchers cannot form the next round with its replacement until the lost node is dropped: S x N after its
-last heartbeat, 10-15 s with the defaults (issue 26's drill). Shorter values drop it sooner; a live node
-whose launcher cannot send a heartbeat for S x N seconds (a loaded or swapping host, a slow store, clocks
-apart by a second or more: each node stamps its own heartbeat) is dropped too, which restarts the job.
-
-NVRx 0.4.1 hard-codes the defaults; with either key given, this installs the one patch record that makes
-its rendezvous read them (patches/nvrx.py), in this process only, then runs NVRx's launcher `main` with the
-same arguments. NVRx 0.5 and later (its barrier rendezvous) drop no node by heartbeat: the keys change
-nothing there, which one line says. Without the keys nothing is installed and nothing is said. Bad values:
-one line and exit code 2. The `ft_launcher` command keeps NVRx's behaviour as it always had."""
-
-from __future__ import annotations
+"""`python -m megatron_resil.ft_launcher`: the former name of megatron_resil/launch/ft_launcher.py, kept for
+users' scripts; this runs its main()."""
 
 import sys
 
-from megatron_resil import exit_codes
-
-
-def _rdzv_conf(argv: list[str]) -> dict[str, str]:
-    """The `--rdzv-conf` of ft_launcher's command line `argv`, as NVRx's own parser reads it."""
-    from nvidia_resiliency_ext.fault_tolerance import launcher
-
-    conf: dict[str, str] = {}
-    for pair in (launcher.parse_args(argv).rdzv_conf or "").split(","):  # torch's format: k1=v1,k2=v2
-        key, _, value = pair.partition("=")
-        if key.strip():
-            conf[key.strip()] = value.strip()
-    return conf
-
-
-def keep_alive(argv: list[str]) -> dict[str, int]:
-    """The keep-alive keys `argv` names, checked; raises ValueError with the line to print."""
-    from megatron_resil.patches.nvrx import KEEP_ALIVE_KEYS
-
-    meaning = dict(zip(KEEP_ALIVE_KEYS, ("seconds between a node's heartbeats",
-                                         "heartbeats missed before a node is dropped"), strict=True))
-    conf = _rdzv_conf(argv)
-    found = {}
-    for key in KEEP_ALIVE_KEYS:
-        if key in conf:
-            value = conf[key]
-            if not (value.isascii() and value.isdigit()) or int(value) < 1:
-                raise ValueError(f"[resil] ft_launcher: --rdzv-conf {key}={value}: give a whole number, at "
-                                 f"least 1, of {meaning[key]} (NVRx's default: keep_alive_interval=5,"
-                                 "keep_alive_max_attempt=3)")
-            found[key] = int(value)
-    return found
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    try:
-        asked = keep_alive(argv)
-    except ValueError as err:
-        print(err, file=sys.stderr, flush=True)
-        return exit_codes.BAD_ARGUMENTS
-    if asked:
-        from megatron_resil import patches
-        from megatron_resil.patches import nvrx
-
-        reason = nvrx.keep_alive_not_needed()
-        if reason is not None:
-            print(f"[resil] ft_launcher: --rdzv-conf {','.join(f'{k}={v}' for k, v in asked.items())} has no "
-                  f"effect on nvidia-resiliency-ext {patches.installed_version(nvrx.PACKAGE)}: {reason}",
-                  file=sys.stderr, flush=True)
-        else:
-            try:
-                patches.install(only=(nvrx.KEEP_ALIVE,))  # a mismatch: its one line, exit 2
-            except patches.UpstreamMismatch as mismatch:
-                return mismatch.code
-    from nvidia_resiliency_ext.fault_tolerance import launcher
-
-    launcher.main(argv)  # NVRx's own exit: sys.exit with the agent's code
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron_resil.launch import ft_launcher
+
+    sys.exit(ft_launcher.main())

@@ -11,17 +11,6 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_resil.arguments.flag_table import config_fields
-
-
-def config_kwargs(args: argparse.Namespace) -> dict:
-    """What the per-layer graphs capture, under the name the installed megatron-core gives it
-    (cuda_graph_modules from 0.19; cuda_graph_scope before). Empty: the whole layer (0.16's own default,
-    "full", is deprecated by itself, with a warning on every rank)."""
-    field = "cuda_graph_modules" if "cuda_graph_modules" in config_fields("TransformerConfig") \
-        else "cuda_graph_scope"
-    return {field: list(args.cuda_graph_modules)}
-
 
 def seed_kwargs(args: argparse.Namespace) -> dict:
     """megatron-core's RNG tracker for model_parallel_cuda_manual_seed: Transformer Engine's with

@@ -28,7 +28,7 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-from megatron_resil import exit_codes, gpu_features, parallel
+from megatron_resil import exit_codes, parallel
 from megatron_resil.arguments import FLAGS
 from megatron_resil.arguments.flag_table import config_fields, config_kwargs
 from megatron_resil.arguments.model import transformer_engine_available
@@ -122,6 +122,15 @@ def fusions(args: argparse.Namespace, cuda: bool, kernels: FusedKernels) -> dict
     }
 
 
+def cuda_graph_kwargs(args: argparse.Namespace) -> dict:
+    """What the per-layer graphs capture, under the name the installed megatron-core gives it
+    (cuda_graph_modules from 0.19; cuda_graph_scope before). Empty: the whole layer (0.16's own default,
+    "full", is deprecated by itself, with a warning on every rank)."""
+    field = "cuda_graph_modules" if "cuda_graph_modules" in config_fields("TransformerConfig") \
+        else "cuda_graph_scope"
+    return {field: list(args.cuda_graph_modules)}
+
+
 def transformer_config(args: argparse.Namespace) -> TransformerConfig:
     """megatron-core's config: every table row that goes to it (arguments/*.py, `to=`), as Megatron-LM's
     core_transformer_config_from_args passes them, plus what is computed from several flags."""
@@ -132,7 +141,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
                       rotary_base=args.rotary_base, rotary_percent=args.rotary_percent)
     if args.num_experts is None:
         kwargs.update(moe_aux_loss_coeff=0.0)
-    kwargs.update(gpu_features.config_kwargs(args))
+    kwargs.update(cuda_graph_kwargs(args))
     if "fp8_param" in config_fields("TransformerConfig"):
         kwargs["fp8_param"] = args.fp8_param_gather
     kwargs.update(

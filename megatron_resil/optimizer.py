@@ -202,8 +202,8 @@ def schedule_steps(args: argparse.Namespace) -> dict[str, float | None]:
 
 def build_scheduler(optimizer: MegatronOptimizer, args: argparse.Namespace) -> OptimizerParamScheduler:
     """Megatron's scheduler, stepped in samples as Megatron-LM steps it. On resume the schedule must match
-    the checkpoint's (check_resumed_schedule), unless --use-checkpoint-opt_param-scheduler takes the
-    checkpoint's or --override-opt_param-scheduler this command line's."""
+    the checkpoint's (checkpointing/resumed_schedule.py), unless --use-checkpoint-opt_param-scheduler takes
+    the checkpoint's or --override-opt_param-scheduler this command line's."""
     if args.train_samples is not None:  # said where Megatron-LM says it, as the scheduler is built
         events.print_rank_0(f"setting training iterations to {args.train_iters}")
     return OptimizerParamScheduler(
@@ -220,59 +220,3 @@ def build_scheduler(optimizer: MegatronOptimizer, args: argparse.Namespace) -> O
         override_opt_param_scheduler=args.override_opt_param_scheduler,
         **schedule_steps(args),
     )
-
-
-class ScheduleMismatch(Exception):
-    """A resume whose command-line schedule differs from the checkpoint's, with neither flag to say which
-    one wins (Megatron-LM stops there with an assertion); the message is one line naming both."""
-
-
-# What megatron-core's OptimizerParamScheduler.load_state_dict compares (_check_and_set), in its order: our
-# name, the attribute, and the keys older checkpoints kept it under. The weight-decay rows only where the
-# checkpoint holds them.
-_COMPARED = (
-    ("max lr", "max_lr", ("start_lr", "max_lr")),
-    ("min lr", "min_lr", ("min_lr",)),
-    ("warmup steps", "lr_warmup_steps", ("warmup_iter", "warmup_steps", "lr_warmup_steps")),
-    ("decay steps", "lr_decay_steps", ("end_iter", "decay_steps", "lr_decay_steps")),
-    ("decay style", "lr_decay_style", ("decay_style", "lr_decay_style")),
-    ("start weight decay", "start_wd", ("start_wd",)),
-    ("end weight decay", "end_wd", ("end_wd",)),
-    ("weight-decay steps", "wd_incr_steps", ("wd_incr_steps",)),
-    ("weight-decay style", "wd_incr_style", ("wd_incr_style",)),
-)
-
-
-def check_resumed_schedule(scheduler: OptimizerParamScheduler, saved: dict) -> None:
-    """Raise ScheduleMismatch when this run's schedule differs from the checkpoint's `saved` scheduler state
-    and neither --override-opt_param-scheduler nor --use-checkpoint-opt_param-scheduler says which one wins.
-    Steps count samples (the scheduler steps by the global batch size)."""
-    if scheduler.override_opt_param_scheduler or scheduler.use_checkpoint_opt_param_scheduler:
-        return
-    differences = []
-    for name, attribute, keys in _COMPARED:
-        key = next((k for k in keys if k in saved), None)
-        if key is None:
-            continue
-        ours = getattr(scheduler, attribute)
-        if ours != saved[key]:
-            differences.append(f"{name} {saved[key]} in the checkpoint, {ours} on this command line")
-    if differences:
-        raise ScheduleMismatch(
-            "the learning-rate schedule differs from the checkpoint's (" + "; ".join(differences)
-            + "; steps in samples): give --override-opt_param-scheduler to train with this command line's "
-            "schedule or --use-checkpoint-opt_param-scheduler to keep the checkpoint's, as Megatron-LM asks")
-
-
-def apply_overridden_schedule(optimizer: MegatronOptimizer, scheduler: OptimizerParamScheduler,
-                              runtime_lrs: list[tuple], consumed_train_samples: int) -> None:
-    """After a load under --override-opt_param-scheduler, as Megatron-LM does: the optimizer state brought
-    back the checkpoint's max and min learning rates in each parameter group (`runtime_lrs`: this run's,
-    taken before the load), and the scheduler counts from the samples consumed."""
-    for group, (max_lr, min_lr) in zip(optimizer.param_groups, runtime_lrs, strict=True):
-        if max_lr is not None:
-            group["max_lr"] = max_lr
-        if min_lr is not None:
-            group["min_lr"] = min_lr
-    scheduler.num_steps = consumed_train_samples
-    scheduler.step(increment=0)

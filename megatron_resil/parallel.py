@@ -16,6 +16,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from megatron_resil import gpu_features
+from megatron_resil.rank_process import is_rank0, rank  # noqa: F401 - the trainer's modules ask them here
 
 # The store torch.distributed starts from during one in-process restart attempt (see
 # inprocess_restart.py), None otherwise. A second attempt cannot rendezvous through the launcher's
@@ -112,16 +113,6 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch_rng_state"])
     torch.cuda.set_rng_state(state["cuda_rng_state"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
-
-
-def rank() -> int:
-    """This process's global rank; before (or between) process groups, the launcher's RANK, so rank-0-only
-    output stays on rank 0 then too."""
-    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-
-
-def is_rank0() -> bool:
-    return rank() == 0
 
 
 def all_ranks_agree(flag: bool) -> bool:

@@ -1,5 +1,6 @@
-"""The training loop: one screen. Setup builds the parts; `train` steps, logs, evaluates, saves,
-and asks each stop condition after every iteration (the hook point for per-iteration checks).
+"""The training loop: one screen. Setup builds the parts; `train` steps, logs, evaluates and saves as
+Megatron-LM's train() does, and `_Stops` decides every reason to stop (the hook point for per-iteration
+checks).
 A step is megatron-core's: its pipeline schedule runs forward and backward over the microbatches,
 its DDP reduces the gradients, its optimizer updates."""
 
@@ -20,25 +21,17 @@ from megatron.core.utils import get_batch_on_this_cp_rank, get_model_config
 
 from megatron_resil import (
     batch_schedule,
+    checkpointing,
     events,
     exit_codes,
     gpu_features,
-    launcher_watch,
     moe_metrics,
     parallel,
     patches,
-    rerun,
-    restart_phases,
-    signal_handler,
-    weight_hashes,
+    phase_marks,
 )
-from megatron_resil.arguments import checkpoint_args
-from megatron_resil.checkpointing import dir_lock
-from megatron_resil.checkpointing.global_tier import CheckpointSaveError
-from megatron_resil.checkpointing.manager import CheckpointConfig, CheckpointManager
+from megatron_resil.checkpointing import CheckpointConfig, CheckpointManager, CheckpointSaveError
 from megatron_resil.data import build_datasets, get_microbatch
-from megatron_resil.fault_injection import FaultInjector
-from megatron_resil.fault_tolerance import FaultTolerance, report_restart
 from megatron_resil.model import build_model_chunks, padded_vocab_size
 from megatron_resil.optimizer import (
     build_optimizer,
@@ -48,9 +41,12 @@ from megatron_resil.optimizer import (
     wrap_in_ddp,
 )
 from megatron_resil.progress import TrainProgress
-from megatron_resil.rerun_escape import RerunEscape
-from megatron_resil.stop_conditions import StopConditions
-from megatron_resil.straggler import StragglerDetection
+from megatron_resil.resilience import launcher_watch, rerun, restart_phases, signal_handler, weight_hashes
+from megatron_resil.resilience.fault_injection import FaultInjector
+from megatron_resil.resilience.fault_tolerance import FaultTolerance, report_restart
+from megatron_resil.resilience.rerun_escape import RerunEscape
+from megatron_resil.resilience.stop_conditions import Stop, StopConditions
+from megatron_resil.resilience.straggler import StragglerDetection
 from megatron_resil.tokenizer import build_tokenizer
 from megatron_resil.train_log import (
     TrainLogger,
@@ -75,7 +71,8 @@ def pretrain(args: argparse.Namespace) -> int:
         ft.job_ending(stop.code if isinstance(stop.code, int) else 1)
         raise
     except BaseException:
-        launcher_watch.stop_if_orphaned()  # a peer that saw the launcher die first broke a collective
+        # a peer that saw the launcher die first broke a collective, or a finished save was withheld
+        launcher_watch.stop_if_orphaned()
         raise
     launcher_watch.stop_if_orphaned()  # whatever ended the run, an orphan says why and exits 9
     ft.job_ending(code)  # under ft_launcher, a code that must not be retried ends the in-job restarts too
@@ -98,32 +95,34 @@ def _pretrain(args: argparse.Namespace, ft: FaultTolerance) -> int:
     _process_settings(args)
     parallel.initialize(args)
     if args.use_checkpoint_args:  # each rank read the checkpoint's arguments itself, before this
-        checkpoint_args.check_ranks_agree(args)
-    restart_phases.mark("process_groups")
-    dir_lock.lock_run_directories(args)  # before anything is written: another job may own the directory
+        checkpointing.check_ranks_agree(args)
+    phase_marks.mark("process_groups")
+    checkpointing.lock_run_directories(args)  # before anything is written: another job may own the directory
     events.configure(args.save)
     events.record("start", world_size=args.world_size, train_iters=args.train_iters, load=args.load,
                   run_id=os.environ.get("TORCHELASTIC_RUN_ID"))
     for decision in patches.decisions():  # said at start-up, before the event log had a place
         events.record("patch", **decision)
-    dir_lock.record_takeovers()
+    checkpointing.record_takeovers()
     if (code := _earlier_attempt_said_stop(args)) is not None:
         return code
     report_restart()
     ft.log_setup()
     tokenizer = build_tokenizer(args)
     model, optimizer, scheduler = build_engine(args, tokenizer.vocab_size)
-    restart_phases.mark("engine")
+    phase_marks.mark("engine")
     faults = FaultInjector(args, model)
     rerun.initialize(rerun.RerunConfig.from_args(args))  # before the load: a checkpoint may hold its state
     checkpoints = CheckpointManager(CheckpointConfig.from_args(args), model, optimizer, scheduler, args,
-                                    on_staged=faults.on_staged)
+                                    on_staged=faults.on_staged,
+                                    params_in_sync=partial(params_in_sync, model, args),
+                                    may_publish=launcher_watch.launcher_alive)  # an orphan publishes nothing
     faults.before_writing_state = checkpoints.before_state_changes
     with signal_handler.loading():  # a signal now ends the process: a load can block past any grace
         progress = checkpoints.load()
-    restart_phases.mark("loaded")
+    phase_marks.mark("loaded")
     train_ds, valid_ds = build_datasets(args, tokenizer)
-    restart_phases.mark("data")
+    phase_marks.mark("data")
     ft.setup_done(resumed=progress.iteration > 0)
     try:
         code = train(args, model, optimizer, scheduler, checkpoints, progress, train_ds, valid_ds, faults, ft)
@@ -166,76 +165,131 @@ def build_engine(args: argparse.Namespace, vocab_size: int):
 
 def train(args, model, optimizer, scheduler, checkpoints, progress: TrainProgress,
           train_ds, valid_ds, faults: FaultInjector, ft: FaultTolerance) -> int:
-    logger, stops, stop = TrainLogger(args, get_model_config(model[0]).timers), StopConditions(args), None
-    escape = RerunEscape.from_args(args)  # bounds the rerun state machine's same-device retries
-    stragglers = StragglerDetection.from_args(args, model)  # times each rank's own forward and backward
+    """Megatron-LM's train(): a step, its log line, then evaluation and a save at their intervals, until
+    --train-iters or a stop (every reason to stop is decided in `_Stops`); the final save; the exit code."""
+    logger, stops = TrainLogger(args, get_model_config(model[0]).timers), _Stops(args, model)
     events.print_rank_0(f"training from iteration {progress.iteration} to {args.train_iters}")
-    if (stop := stops.signalled(progress.iteration)) is not None:
-        # Nothing was trained: the checkpoint just loaded (or none) stays the latest. A save here would
-        # only write an untrained model whose optimizer has no state yet, which no later run can load.
-        events.decision("exit", f"{stop.reason}; nothing trained since the load, so nothing to save; "
-                        f"exiting with code {stop.exit_code}",
-                        iteration=progress.iteration, exit_code=stop.exit_code, requeue=stop.requeue)
+    if (stop := stops.signalled_before_training(progress.iteration)) is not None:
         ft.close()
         logger.close()
         return stop.exit_code
     if args.manual_gc:  # Megatron-LM: no automatic collections; collect at known points instead
         gc.disable()
         gc.collect()
-    if args.check_weight_hash_across_dp_replicas_interval is not None:  # before training too, as Megatron-LM
-        with params_in_sync(model, args):
-            stop = weight_hashes.check(model, progress.iteration)  # replicas apart: a stop, nothing saved
+    stop = stops.replicas_differ(progress.iteration, before_training=True)
     graphs, first_iteration = gpu_features.GraphCapture(args, model, optimizer), progress.iteration
     batch_size = batch_schedule.global_batch_size(args, progress.consumed_train_samples)
     while stop is None and progress.iteration < args.train_iters:
         batch_size = _batch_size_change(args, batch_size, progress, checkpoints, ft)
         graphs.before_iteration(progress.iteration - first_iteration)
         with ft.step(), signal_handler.stepping():  # an injected hang or slowness counts as the iteration's
-            stragglers.iteration_started()  # this rank's own work starts here, injected slowness included
+            stops.iteration_started()
             faults.before_iteration(progress.iteration + 1)
             report, stop = train_step(args, model, optimizer, scheduler, train_ds, progress, faults,
                                       nan_checks=not checkpoints.canary_watching,
                                       before_optimizer_step=checkpoints.before_state_changes)
         if stop is not None:  # the rerun state machine would end the job; this step was not taken
-            progress, stop = escape.judge(stop, progress, checkpoints)  # or fall back to an older checkpoint
-            if stop is not None:
-                break
+            progress, stop = stops.rejected_step(stop, progress, checkpoints)
             continue
-        progress.iteration += 1
-        progress.consumed_train_samples += report.global_batch_size
-        progress.floating_point_operations_so_far += floating_point_operations(args, report.global_batch_size)
-        restart_phases.iteration_taken()
+        _count_step(args, progress, report)
         logger.training_step(progress.iteration, progress.consumed_train_samples, learning_rate(optimizer),
                              report)
         if (reloaded := checkpoints.check_canary(progress, report.loss, report.grad_norm)) is not None:
             progress = reloaded  # the non-persistent checkpoint was bad: back to a persistent one
             continue
-        escape.step_taken(progress.iteration)  # after the canary: a step it rejects passed nothing
-        if (stop := _housekeeping(args, model, progress.iteration)) is not None:
+        stops.step_taken(progress.iteration)  # after the canary: a step it rejects passed nothing
+        if (stop := _housekeeping(args, stops, progress.iteration)) is not None:
             break  # the replicas' weights differ: the run ends before any save (weight_hashes.py)
-        if valid_ds is not None and args.eval_iters and progress.iteration % args.eval_interval == 0:
-            with _collected_around(args.manual_gc and args.manual_gc_eval), \
-                    signal_handler.waiting("evaluation"):
-                logger.validation(progress.iteration, evaluate(args, model, valid_ds, progress),
-                                  progress.consumed_train_samples)
-            logger.restart_interval()
-        with signal_handler.waiting() as save:  # judged by the slowest save, not by the slowest step
-            save.happened = ft.checkpointing(checkpoints.maybe_save, progress)
-            if save.happened:
-                logger.restart_interval()
-        stop = stragglers.report(progress.iteration) or stops.check(progress.iteration)
-        if stop is not None:
-            events.decision("exit", f"{stop.reason}; saving and exiting with code {stop.exit_code}",
-                            iteration=progress.iteration, exit_code=stop.exit_code, requeue=stop.requeue)
-            break
+        _evaluate_and_save(args, model, valid_ds, progress, checkpoints, logger, ft)
+        stop = stops.after_save(progress.iteration)
     with signal_handler.waiting():
         ft.checkpointing(rerun.final_save(checkpoints, stop), progress, final=True)
+    return _end_of_training(args, progress, stop, (graphs, stops, ft, logger))
+
+
+class _Stops:
+    """Every reason the loop stops, decided here and each said once: a signal before the first step,
+    data-parallel replicas whose weights differ (before training and at their interval), the rerun state
+    machine's verdict on a step (unless its escape hatch falls back to an older checkpoint), a straggler,
+    and the stop conditions (a signal, --exit-interval, --exit-duration-in-mins, ...)."""
+
+    def __init__(self, args: argparse.Namespace, model: list) -> None:
+        self.args, self.model = args, model
+        self.conditions = StopConditions(args)
+        self.escape = RerunEscape.from_args(args)  # bounds the rerun state machine's same-device retries
+        self.stragglers = StragglerDetection.from_args(args, model)  # times each rank's forward and backward
+
+    def signalled_before_training(self, iteration: int) -> Stop | None:
+        stop = self.conditions.signalled(iteration)
+        if stop is not None:
+            # Nothing was trained: the checkpoint just loaded (or none) stays the latest. A save here would
+            # only write an untrained model whose optimizer has no state yet, which no later run can load.
+            events.decision("exit", f"{stop.reason}; nothing trained since the load, so nothing to save; "
+                            f"exiting with code {stop.exit_code}",
+                            iteration=iteration, exit_code=stop.exit_code, requeue=stop.requeue)
+        return stop
+
+    def replicas_differ(self, iteration: int, before_training: bool = False) -> rerun.RerunStop | None:
+        """At --check-weight-hash-across-dp-replicas-interval, and before training too as Megatron-LM:
+        replicas apart are a stop, nothing saved (weight_hashes.py)."""
+        interval = self.args.check_weight_hash_across_dp_replicas_interval
+        if interval is None or not (before_training or iteration % interval == 0):
+            return None
+        with params_in_sync(self.model, self.args):
+            return weight_hashes.check(self.model, iteration)
+
+    def iteration_started(self) -> None:
+        self.stragglers.iteration_started()  # this rank's own work starts here, injected slowness included
+
+    def rejected_step(self, stop: rerun.RerunStop, progress: TrainProgress,
+                      checkpoints: CheckpointManager) -> tuple[TrainProgress, rerun.RerunStop | None]:
+        """The rerun state machine would end the job: it does, or the escape hatch goes on from an older
+        checkpoint (None, and the progress loaded)."""
+        return self.escape.judge(stop, progress, checkpoints)
+
+    def step_taken(self, iteration: int) -> None:
+        self.escape.step_taken(iteration)
+
+    def after_save(self, iteration: int) -> Stop | None:
+        stop = self.stragglers.report(iteration) or self.conditions.check(iteration)
+        if stop is not None:
+            events.decision("exit", f"{stop.reason}; saving and exiting with code {stop.exit_code}",
+                            iteration=iteration, exit_code=stop.exit_code, requeue=stop.requeue)
+        return stop
+
+    def close(self) -> None:
+        self.stragglers.close()
+
+
+def _count_step(args: argparse.Namespace, progress: TrainProgress, report: StepReport) -> None:
+    """A taken step: the iteration, the samples it consumed and its floating-point operations."""
+    progress.iteration += 1
+    progress.consumed_train_samples += report.global_batch_size
+    progress.floating_point_operations_so_far += floating_point_operations(args, report.global_batch_size)
+    restart_phases.iteration_taken()
+
+
+def _evaluate_and_save(args, model, valid_ds, progress: TrainProgress, checkpoints: CheckpointManager,
+                       logger: TrainLogger, ft: FaultTolerance) -> None:
+    """At --eval-interval, Megatron-LM's evaluation; then the save, if one is due (maybe_save)."""
+    if valid_ds is not None and args.eval_iters and progress.iteration % args.eval_interval == 0:
+        with _collected_around(args.manual_gc and args.manual_gc_eval), signal_handler.waiting("evaluation"):
+            logger.validation(progress.iteration, evaluate(args, model, valid_ds, progress),
+                              progress.consumed_train_samples)
+        logger.restart_interval()
+    with signal_handler.waiting() as save:  # judged by the slowest save, not by the slowest step
+        save.happened = ft.checkpointing(checkpoints.maybe_save, progress)
+        if save.happened:
+            logger.restart_interval()
+
+
+def _end_of_training(args: argparse.Namespace, progress: TrainProgress, stop: Stop | rerun.RerunStop | None,
+                     closing: tuple) -> int:
+    """After the final save: the parts of the loop closed in order, and the exit code."""
     if args.manual_gc:
         gc.enable()  # an in-process restart runs the next attempt in this process
-    graphs.close()
-    stragglers.close()
-    ft.close()
-    logger.close()
+    for part in closing:  # CUDA graphs, straggler detection, FT sections, the log
+        part.close()
     if stop is None:
         events.record("finished", iteration=progress.iteration, exit_code=exit_codes.FINISHED)
         return exit_codes.FINISHED
@@ -257,15 +311,12 @@ def _batch_size_change(args, before: int, progress: TrainProgress, checkpoints: 
     return batch_size
 
 
-def _housekeeping(args, model, iteration: int) -> rerun.RerunStop | None:
+def _housekeeping(args, stops: _Stops, iteration: int) -> rerun.RerunStop | None:
     """After a taken step: Megatron-LM's periodic garbage collection, weight-hash comparison of the
     data-parallel replicas, CUDA cache release and profiler window. A stop when the replicas differ."""
     if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
         gc.collect()
-    stop, interval = None, args.check_weight_hash_across_dp_replicas_interval
-    if interval is not None and iteration % interval == 0:
-        with params_in_sync(model, args):
-            stop = weight_hashes.check(model, iteration)
+    stop = stops.replicas_differ(iteration)
     if args.empty_unused_memory_level >= 1:
         torch.cuda.empty_cache()
     if args.profile and (not args.profile_ranks or torch.distributed.get_rank() in args.profile_ranks):

@@ -25,9 +25,10 @@ each rank's shard holds the only copy of its part of the Adam state): dp (DP=4, 
 ep2-moe (4 experts, EP=2), tp2-pp2 (no data parallelism at all: the replicas are the only other copy).
 
 --keep-alive SxN: each launcher's rendezvous heartbeat every S seconds, a node dropped after N missed
-(`--rdzv-conf keep_alive_interval=S,keep_alive_max_attempt=N`, read by `python -m megatron_resil.ft_launcher`;
-docs/drills.md). The drill's default, 1x3, drops the lost node 2-3 s after its last heartbeat; NVRx's own,
-5x3, 10-15 s after (NVRx 0.4.1; NVRx 0.7's barrier rendezvous drops no node by heartbeat).
+(`--rdzv-conf keep_alive_interval=S,keep_alive_max_attempt=N`, read by `python -m
+megatron_resil.launch.ft_launcher`; docs/drills.md). The drill's default, 1x3, drops the lost node 2-3 s
+after its last heartbeat; NVRx's own, 5x3, 10-15 s after (NVRx 0.4.1; NVRx 0.7's barrier rendezvous drops
+no node by heartbeat).
 
 Everything goes under --workdir (default: a new directory under the system's temp dir): the checkpoints,
 each node's launcher log, the event log, the ledger and timeline.png. The drill prints a summary (exit
@@ -53,7 +54,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout, installed or not
 
-from megatron_resil.tools import timeline  # noqa: E402 - after the path above
+from megatron_resil import rank_process  # noqa: E402 - after the path above
+from megatron_resil.tools import timeline  # noqa: E402
 
 VARIANTS = {
     "a": "replicas intact",
@@ -102,25 +104,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, stack = [], [pid]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
-
-
 def _signal_tree(pid: int, sig: int, include_root: bool = True) -> None:
-    for target in [*_descendants(pid), *([pid] if include_root else [])]:
+    for target in [*rank_process.descendants_of(pid), *([pid] if include_root else [])]:
         try:
             os.kill(target, sig)
         except ProcessLookupError:
@@ -168,11 +153,11 @@ class Drill:
                "NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE": "1"}
         env.pop("MEGATRON_RESIL_STANDBY", None)  # --standby decides, not the caller's environment
         # --standby: each node's launcher starts with a standby of its own (docs/standby.md).
-        wrapper = ([sys.executable, "-m", "megatron_resil.standby",
+        wrapper = ([sys.executable, "-m", "megatron_resil.launch.standby",
                     *(["--torch-only"] if self.standby == "torch" else []), "--"] if self.standby else [])
-        # ft_launcher, with torch's keep-alive keys read from --rdzv-conf (megatron_resil/ft_launcher.py).
+        # ft_launcher, with torch's keep-alive keys read from --rdzv-conf (launch/ft_launcher.py).
         interval, attempts = self.keep_alive
-        cmd = [*wrapper, sys.executable, "-m", "megatron_resil.ft_launcher",
+        cmd = [*wrapper, sys.executable, "-m", "megatron_resil.launch.ft_launcher",
                "--nnodes", str(NODES), "--nproc-per-node", str(RANKS_PER_NODE), "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", f"drill-{self.variant}",
                "--rdzv-conf", f"keep_alive_interval={interval},keep_alive_max_attempt={attempts}",

@@ -44,16 +44,16 @@ resil_check_args() {
 # The ft_launcher command of one node (without the pretrain.py arguments). RESIL_STANDBY=1: each node's
 # launcher starts with a standby that has torch, and megatron-core with the run's patches, imported, and
 # its ranks, first and restarted, are forked from it (docs/standby.md); RESIL_STANDBY=torch: torch only.
-# megatron_resil.ft_launcher is NVRx's launcher, run unchanged, that also reads torch's keep-alive keys
+# megatron_resil.launch.ft_launcher is NVRx's launcher, run unchanged, that also reads torch's keep-alive keys
 # from --rdzv-conf (NVRx 0.4.1 hard-codes 5 s x 3); without them, NVRx's defaults.
 # They are left to FT_LAUNCHER_ARGS: on a real cluster a shorter keep-alive also drops live nodes whose
 # launcher is late with a heartbeat (a loaded host, a busy store), and each heartbeat rewrites the
 # rendezvous state in the store, so the default stays NVRx's.
 resil_launcher_cmd() {
   RESIL_LAUNCHER=()
-  [ "${RESIL_STANDBY:-0}" = 1 ] && RESIL_LAUNCHER=("$RESIL_PYTHON" -m megatron_resil.standby --)
-  [ "${RESIL_STANDBY:-0}" = torch ] && RESIL_LAUNCHER=("$RESIL_PYTHON" -m megatron_resil.standby --torch-only --)
-  RESIL_LAUNCHER+=("$RESIL_PYTHON" -m megatron_resil.ft_launcher
+  [ "${RESIL_STANDBY:-0}" = 1 ] && RESIL_LAUNCHER=("$RESIL_PYTHON" -m megatron_resil.launch.standby --)
+  [ "${RESIL_STANDBY:-0}" = torch ] && RESIL_LAUNCHER=("$RESIL_PYTHON" -m megatron_resil.launch.standby --torch-only --)
+  RESIL_LAUNCHER+=("$RESIL_PYTHON" -m megatron_resil.launch.ft_launcher
     --rdzv-backend c10d --rdzv-endpoint "$RDZV_HOST:$RDZV_PORT"
     --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" --max-restarts "$MAX_RESTARTS"
     --ft-enable-nic-monitor false ${FT_LAUNCHER_ARGS:-})

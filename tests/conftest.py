@@ -37,7 +37,7 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda item: -SECONDS_PER_FILE.get(item.path.name, 0))
 
 
-# ---- ranks forked from a standby (megatron_resil/standby.py) --------------------------------------------
+# ---- ranks forked from a standby (megatron_resil/launch/standby.py) ------------------------------------
 # Each test process starts one standby with the environment launch.env() gives every rank, and every rank
 # the tests start hands itself to it: about half of a 2-rank launch's CPU is each rank importing torch, on
 # 2 cores that is the suite's time. Ranks that cannot use it (another interpreter, PYTHONPATH or
@@ -64,13 +64,14 @@ def _standby(tmp_path_factory):
         from tests.launch import REPO, env
     except ImportError:  # tests/ on sys.path instead
         from launch import REPO, env
-    from megatron_resil import standby
+    from megatron_resil.launch import standby
 
     name = f"tests-{os.getpid()}"
     log = tmp_path_factory.mktemp("standby") / "standby.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "megatron_resil.standby", "--name", name], env=env(),
-                                cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "-m", "megatron_resil.launch.standby", "--name", name],
+                                env=env(), cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
     value = f"{name}@{proc.pid}"  # as a launcher's standby is named: the ranks check who holds the name
     deadline = time.monotonic() + 120
     while not standby.ping(value):

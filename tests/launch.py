@@ -9,6 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+# Processes are read through the project's one /proc/PID/stat reader.
+from megatron_resil.rank_process import alive, children_of, descendants_of, proc_stat, processes  # noqa: F401
+
 REPO = Path(__file__).resolve().parents[1]
 PRETRAIN = str(REPO / "pretrain.py")
 
@@ -65,7 +68,7 @@ def standby_pid(value: str | None = None) -> int | None:
 
 
 def processes_named(standby: str) -> list[int]:
-    """The live standby process called `standby` (python -m megatron_resil.standby --name ...), not the
+    """The live standby process called `standby` (python -m megatron_resil.launch.standby --name ...), not the
     ranks forked from it, which have its command line too: their parent has it as well."""
     needle = f"--name\0{standby}\0".encode()
     found = []
@@ -74,31 +77,11 @@ def processes_named(standby: str) -> list[int]:
             command = Path(f"/proc/{entry}/cmdline").read_bytes() if entry.isdigit() else b""
             if needle not in command or not alive(int(entry)):
                 continue
-            if Path(f"/proc/{proc_stat(int(entry))[1]}/cmdline").read_bytes() != command:
+            if Path(f"/proc/{proc_stat(int(entry)).parent}/cmdline").read_bytes() != command:
                 found.append(int(entry))
         except (OSError, TypeError):
             continue
     return found
-
-
-def proc_stat(pid: int) -> list[str] | None:
-    """The fields of /proc/PID/stat after the command name (state, parent, ...); None once it is gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def children(pid: int) -> list[int]:
-    """The processes whose parent is `pid`."""
-    return [int(entry) for entry in os.listdir("/proc")
-            if entry.isdigit() and (fields := proc_stat(int(entry))) and int(fields[1]) == pid]
-
-
-def alive(pid: int) -> bool:
-    """Running, stopped or sleeping: not gone and not a zombie."""
-    fields = proc_stat(pid)
-    return fields is not None and fields[0] not in ("Z", "X")
 
 
 def ckpt_tool(*args, encoding: str | None = None) -> subprocess.CompletedProcess:

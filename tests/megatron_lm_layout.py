@@ -38,8 +38,9 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (  # noqa
 from megatron.core.rerun_state_machine import get_rerun_state_machine  # noqa: E402
 from megatron.core.utils import unwrap_model  # noqa: E402
 
-from megatron_resil import parallel, rerun  # noqa: E402
+from megatron_resil import parallel  # noqa: E402
 from megatron_resil.arguments import parse_args  # noqa: E402
+from megatron_resil.resilience import rerun  # noqa: E402
 from megatron_resil.tokenizer import build_tokenizer  # noqa: E402
 from megatron_resil.training import build_engine  # noqa: E402
 

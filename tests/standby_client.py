@@ -7,12 +7,13 @@ import ctypes
 import os
 import sys
 
-from megatron_resil import standby
+from megatron_resil import rank_process
+from megatron_resil.launch import standby
 
 MPOL_PREFERRED = 1
 SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237}
 
-if "--prefer-node" in sys.argv and not standby.in_worker():  # the worker runs this file again
+if "--prefer-node" in sys.argv and not rank_process.in_standby_worker():  # the worker runs this file again
     node = int(sys.argv[sys.argv.index("--prefer-node") + 1])
     mask = (ctypes.c_ulong * 1)(1 << node)
     libc = ctypes.CDLL(None, use_errno=True)
@@ -21,6 +22,6 @@ if "--prefer-node" in sys.argv and not standby.in_worker():  # the worker runs t
         sys.exit(f"set_mempolicy: {os.strerror(ctypes.get_errno())}")
 
 standby.hand_over()
-print(f"{'forked' if standby.in_worker() else 'cold'} {os.getpid()}", flush=True)
+print(f"{'forked' if rank_process.in_standby_worker() else 'cold'} {os.getpid()}", flush=True)
 if "wait" in sys.argv[1:]:
     sys.stdin.read()

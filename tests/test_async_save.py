@@ -88,12 +88,8 @@ def _comm(pid) -> str:
 
 
 def _parent(pid) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return int(stat[stat.rfind(")") + 2:].split()[1])
+    found = launch.proc_stat(pid)
+    return None if found is None else found.parent
 
 
 def _descends_from(pid: int, ancestor: int) -> bool:

@@ -85,12 +85,12 @@ def _processes_of(save: Path) -> dict[str, list[int]]:
         try:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
             environ = (entry / "environ").read_bytes()
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
+            found = launch.proc_stat(int(entry.name))
+        except OSError:
             continue
-        if needle not in argv or state == "Z":
+        if needle not in argv or found is None or found.state == "Z":
             continue
-        if any(b"fault_tolerance.launcher" in a or b"megatron_resil.ft_launcher" in a for a in argv):
+        if any(b"fault_tolerance.launcher" in a or b"megatron_resil.launch.ft_launcher" in a for a in argv):
             found["launcher"].append(int(entry.name))
         elif b"LOCAL_RANK=" in environ and any(a.endswith(b"pretrain.py") for a in argv):
             found["ranks"].append(int(entry.name))

@@ -65,10 +65,11 @@ def _argv(load: Path, *extra: str) -> list[str]:
 def _refused(argv: list[str], capsys) -> str:
     """pretrain.py's argument parsing, in this process: the one line it ends with (exit code 2)."""
     from megatron_resil.arguments import parse_args
+    from megatron_resil.checkpointing.saved_args import take_from_checkpoint
 
     capsys.readouterr()
     with pytest.raises(SystemExit) as stop:
-        parse_args(argv, world_size=1)
+        parse_args(argv, world_size=1, saved_args=take_from_checkpoint)
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert stop.value.code == 2 and len(lines) == 1 and "Traceback" not in err, err
@@ -160,9 +161,11 @@ def test_every_megatron_lm_checkpoint_here_fits_what_it_records():
 
 def test_the_replaced_line_lists_every_value_the_checkpoint_changed(tmp_path, capsys):
     from megatron_resil.arguments import parse_args
+    from megatron_resil.checkpointing.saved_args import take_from_checkpoint
 
     load = _crafted(tmp_path / "ckpt", _saved())
-    args = parse_args(_argv(load, "--num-query-groups", "1"), world_size=1)
+    args = parse_args(_argv(load, "--num-query-groups", "1"), world_size=1,
+                      saved_args=take_from_checkpoint)
     (said,) = [line for line in capsys.readouterr().out.splitlines()
                if line.startswith("[resil] checkpoint args: model arguments from")]
     for replaced in ("num_layers (None -> 1)", "hidden_size (None -> 16)", "kv_channels (None -> 8)",
@@ -201,13 +204,15 @@ def tokenizer_dirs(tmp_path):
 def test_under_trust_remote_code_the_tokenizer_directory_is_never_taken_from_the_checkpoint(
         tmp_path, capsys, monkeypatch, tokenizer_dirs):
     from megatron_resil.arguments import parse_args
+    from megatron_resil.checkpointing.saved_args import take_from_checkpoint
 
     mine, marker = tokenizer_dirs
     monkeypatch.chdir(tmp_path)  # the saved path is relative: it resolves beside the checkpoint
     load = _crafted(tmp_path / "ckpt", _saved(tokenizer_type="HuggingFaceTokenizer",
                                               tokenizer_model="shipped_tokenizer"))
     args = parse_args([*TRAINING, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(mine),
-                       "--trust-remote-code", "--load", str(load), "--use-checkpoint-args"], world_size=1)
+                       "--trust-remote-code", "--load", str(load), "--use-checkpoint-args"], world_size=1,
+                      saved_args=take_from_checkpoint)
     assert not marker.exists()
     assert args.tokenizer_model == str(mine) and args.tokenizer_type == "HuggingFaceTokenizer"
     said = [line for line in capsys.readouterr().out.splitlines() if "--tokenizer-model" in line]
@@ -219,7 +224,7 @@ def test_under_trust_remote_code_the_tokenizer_directory_is_never_taken_from_the
 
 _STANDBY_READS_AHEAD = """
 import json, os, sys
-from megatron_resil import standby_warmup
+from megatron_resil.launch import standby_warmup
 results = []
 for load in sys.argv[1:]:
     request = {"argv": ["pretrain.py", *ARGV, "--load", load, "--use-checkpoint-args"],

@@ -47,22 +47,6 @@ KEEP_LAST = 3  # retention runs inside the kill window too: `.deleting_iter_*` l
 
 
 # ---- process handling ---------------------------------------------------------------------------
-def _proc_table() -> dict[int, tuple[int, int, str]]:
-    """pid -> (ppid, pgid, state) of every process visible now."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()
-        table[int(entry)] = (int(fields[1]), int(fields[2]), fields[0])
-    return table
-
-
 def _cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -75,20 +59,16 @@ def _run_groups(agent_pid: int, marker: str) -> set[int]:
     """Process groups of the run: the agent's and its descendants' (torchrun starts every worker in
     a session of its own, so killing the agent's group alone leaves the ranks running), plus those of
     any live process whose command line names `marker` (this test's own, unique save directory)."""
-    table = _proc_table()
-    tree, grew = {agent_pid}, True
-    while grew:
-        new = {pid for pid, (ppid, _pgid, _st) in table.items() if ppid in tree and pid not in tree}
-        tree |= new
-        grew = bool(new)
+    table = launch.processes()
+    tree = {agent_pid} | launch.descendants_of(agent_pid)
     tree |= {pid for pid in table if marker in _cmdline(pid)}
     own = os.getpgrp()
-    return {table[pid][1] for pid in tree if pid in table and table[pid][1] not in (own, 0, 1)}
+    return {table[pid].group for pid in tree if pid in table and table[pid].group not in (own, 0, 1)}
 
 
 def _alive_in(groups: set[int]) -> list[int]:
-    return [pid for pid, (_ppid, pgid, state) in _proc_table().items()
-            if pgid in groups and state not in ("Z", "X")]
+    return [pid for pid, stat in launch.processes().items()
+            if stat.group in groups and stat.state not in ("Z", "X")]
 
 
 def _kill_run(proc, marker: str, timeout: float = 20.0) -> None:
@@ -226,8 +206,7 @@ def save_root(tmp_path: Path):
     root.mkdir()
     yield str(root)
     # Safety net: nothing started by this test outlives it (selected by the unique directory name).
-    table = _proc_table()
-    groups = {pgid for pid, (_ppid, pgid, _st) in table.items() if str(root) in _cmdline(pid)}
+    groups = {stat.group for pid, stat in launch.processes().items() if str(root) in _cmdline(pid)}
     for pgid in groups - {0, 1, os.getpgrp()}:
         try:
             os.killpg(pgid, signal.SIGKILL)

@@ -69,8 +69,7 @@ def test_a_requeued_attempt_of_the_same_slurm_job_takes_it_back(tmp_path, monkey
 
 
 def _start_ticks(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[19])
+    return launch.proc_stat(pid).start_ticks
 
 
 def _cmdline(pid: int) -> bytes:
@@ -240,18 +239,7 @@ def test_a_second_job_on_the_same_save_exits_2_and_the_first_finishes_untouched(
 
 
 def _kill_tree(proc) -> None:
-    pids = {proc.pid}
-    for _ in range(3):
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    with open(f"/proc/{entry}/stat") as f:
-                        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                except (OSError, ValueError):
-                    continue
-                if ppid in pids:
-                    pids.add(int(entry))
-    for pid in pids:
+    for pid in {proc.pid} | launch.descendants_of(proc.pid):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:

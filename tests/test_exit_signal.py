@@ -129,14 +129,12 @@ def test_exit_duration_saves_and_exits_cleanly(tmp_path):
 
 
 def _rank_pids(launcher_pid: int) -> list[int]:
-    from pathlib import Path
     ranks = []
-    for entry in Path("/proc").iterdir():
+    for pid in launch.children_of(launcher_pid):
         try:
-            if entry.name.isdigit() and \
-                    int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == launcher_pid and \
-                    b"LOCAL_RANK=" in (entry / "environ").read_bytes():
-                ranks.append(int(entry.name))
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if b"LOCAL_RANK=" in f.read():
+                    ranks.append(pid)
         except OSError:
             continue
     return ranks
@@ -186,11 +184,7 @@ def _rank_of(pid: int) -> int:
 
 
 def _gone(pid: int) -> bool:
-    from pathlib import Path
-    try:
-        return (Path(f"/proc/{pid}") / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
+    return not launch.alive(pid)
 
 
 def _freeze_rank_1_then_sigterm_rank_0(tmp_path, extra: list[str], ready) -> tuple[float, str]:

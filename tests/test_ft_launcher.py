@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron_resil import fault_tolerance
 from megatron_resil.arguments import parse_args
-from megatron_resil.fault_tolerance import STATE_FILE, floor_timeouts, merge_saved_timeouts
 from megatron_resil.progress import TrainProgress
+from megatron_resil.resilience import fault_tolerance
+from megatron_resil.resilience.fault_tolerance import STATE_FILE, floor_timeouts, merge_saved_timeouts
 
 try:
     from tests import launch  # tests/ is a package
@@ -140,8 +140,8 @@ def _workers(launcher_pid: int) -> dict[int, int]:
         if not entry.name.isdigit():
             continue
         try:
-            stat = (entry / "stat").read_text()
-            if int(stat.rsplit(")", 1)[1].split()[1]) != launcher_pid:
+            found = launch.proc_stat(int(entry.name))
+            if found is None or found.parent != launcher_pid:
                 continue
             environ = dict(kv.split("=", 1) for kv in (entry / "environ").read_text().split("\0")
                            if "=" in kv)
@@ -165,16 +165,7 @@ def _wait_for(log: Path, pattern: str, proc: subprocess.Popen, timeout: float) -
 
 def _kill_tree(pid: int) -> None:
     """SIGKILL ft_launcher and everything below it (on failure only; a passing run has ended)."""
-    children = {pid}
-    for _ in range(3):  # workers, their helpers, and the helpers' children
-        for entry in Path("/proc").iterdir():
-            try:
-                if entry.name.isdigit() and \
-                        int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) in children:
-                    children.add(int(entry.name))
-            except (OSError, ValueError, IndexError):
-                continue
-    for child in children:
+    for child in {pid} | launch.descendants_of(pid):  # workers, their helpers, and the helpers' children
         try:
             os.kill(child, signal.SIGKILL)
         except ProcessLookupError:
@@ -241,9 +232,9 @@ def test_enable_ft_package_without_ft_launcher_is_one_line_and_exit_code_2(tmp_p
     ("join_timeout=60,keep_alive_max_attempt=0", "keep_alive_max_attempt"),
 ])
 def test_a_bad_keep_alive_in_rdzv_conf_is_one_line_and_exit_code_2(conf, key) -> None:
-    """`python -m megatron_resil.ft_launcher` (docs/drills.md, "The rendezvous keep-alive") checks torch's
-    keep-alive keys before NVRx's launcher starts: whole numbers of at least 1."""
-    result = subprocess.run([sys.executable, "-m", "megatron_resil.ft_launcher", "--nnodes", "1",
+    """`python -m megatron_resil.launch.ft_launcher` (docs/drills.md, "The rendezvous keep-alive") checks
+    torch's keep-alive keys before NVRx's launcher starts: whole numbers of at least 1."""
+    result = subprocess.run([sys.executable, "-m", "megatron_resil.launch.ft_launcher", "--nnodes", "1",
                              "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-conf", conf,
                              launch.PRETRAIN, "--train-iters", "1"], env=launch.env(), cwd=launch.REPO,
                             timeout=60, capture_output=True, text=True)

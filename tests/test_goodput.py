@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from megatron_resil import restart_phases
+from megatron_resil.resilience import restart_phases
 from megatron_resil.tools import goodput, timeline
 from tests import launch
 

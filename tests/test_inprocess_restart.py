@@ -164,7 +164,7 @@ def test_without_the_flag_nvrx_inprocess_is_never_imported():
              "from megatron_resil import patches; patches.install(pretrain.parse_args()); "
              "import megatron_resil.training; "
              "print(sorted(m for m in sys.modules if m.startswith('nvidia_resiliency_ext.inprocess') "
-             "or m == 'megatron_resil.inprocess_restart'))")
+             "or m == 'megatron_resil.resilience.inprocess_restart'))")
     result = subprocess.run([sys.executable, "-c", probe], cwd=launch.REPO, env=launch.env(),
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -85,6 +85,14 @@ def test_local_launcher_rejects_bad_arguments_before_launching(tmp_path):
     assert "--save-interval" in log.read_text() and "attempt 1" not in log.read_text()
 
 
+def test_the_standbys_former_module_name_still_runs_the_standby():
+    """Users' scripts may start `python -m megatron_resil.standby`, its name before it moved to launch/."""
+    result = subprocess.run([sys.executable, "-m", "megatron_resil.standby", "--help"], cwd=launch.REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: python -m megatron_resil.launch.standby"), result.stdout
+
+
 @pytest.mark.slow
 def test_local_launcher_preemption_requeues_and_resumes_to_completion(tmp_path):
     root = tmp_path / "ckpt"

@@ -1,5 +1,6 @@
 """A launcher killed with SIGKILL takes its ranks with it: each rank notices within a second or so,
-writes its exit record and stops, so no orphan trains on or writes the checkpoint directory."""
+writes its exit record and stops, so no orphan trains on or writes the checkpoint directory. A save that
+finishes after the launcher died is not published: the checkpointer asks the trainer first."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from megatron_resil.checkpointing import layout
+from megatron_resil.checkpointing.global_tier import GlobalTier
+from megatron_resil.checkpointing.tier import PublishWithheld
+from megatron_resil.checkpointing.tracker import tracker_path
 from tests import launch
-
-pytestmark = pytest.mark.slow
 
 
 def _processes_mentioning(text: str) -> list[int]:
@@ -27,6 +30,7 @@ def _processes_mentioning(text: str) -> list[int]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["torchrun", "ft_launcher"])
 def test_ranks_stop_within_seconds_of_their_launcher_dying_and_leave_no_orphan(tmp_path, launcher):
     save = tmp_path / "ckpt"
@@ -42,7 +46,7 @@ def test_ranks_stop_within_seconds_of_their_launcher_dying_and_leave_no_orphan(t
         while "successfully saved checkpoint from iteration       3" not in log.read_text():
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.2)
-        children = launch.children(proc.pid)  # the ranks, and under ft_launcher their rank monitors
+        children = launch.children_of(proc.pid)  # the ranks, and under ft_launcher their rank monitors
         ranks = [pid for pid in children if b"LOCAL_RANK=" in Path(f"/proc/{pid}/environ").read_bytes()]
         assert len(ranks) == 2, children
         os.kill(proc.pid, signal.SIGKILL)  # the launcher alone, as an OOM killer would
@@ -58,7 +62,7 @@ def test_ranks_stop_within_seconds_of_their_launcher_dying_and_leave_no_orphan(t
             assert time.monotonic() - killed_at < 10, f"{leftovers} outlived their rank"
             time.sleep(0.1)
     finally:
-        for pid in [*launch.children(proc.pid), proc.pid]:
+        for pid in [*launch.children_of(proc.pid), proc.pid]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -71,3 +75,20 @@ def test_ranks_stop_within_seconds_of_their_launcher_dying_and_leave_no_orphan(t
     # Whatever was published verifies; the tool names no leftover it could not explain.
     verify = launch.ckpt_tool("verify", save)
     assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def test_a_save_written_after_the_launcher_died_is_withheld_for_the_trainer_and_never_published(tmp_path):
+    """The trainer hands the tier launcher_watch.launcher_alive as `may_publish`; here it says no. The
+    shards are on disk, yet nothing takes the iteration's name or the tracker: the save is raised to the
+    trainer's loop, whose error path stops the rank with exit code 9, and the next run removes it."""
+    root = str(tmp_path / "ckpt")
+    tier = GlobalTier(root)
+    tier.may_publish = lambda: False
+    staging = layout.new_staging_dir(root, 5)
+    os.makedirs(staging)
+    Path(staging, "common.pt").write_bytes(b"the shards of iteration 5")
+    with pytest.raises(PublishWithheld):
+        tier.finish(staging, 5, {})
+    assert layout.published_iterations(root) == []
+    assert not os.path.exists(tracker_path(root))
+    assert layout.leftovers(root)["staging"] == [staging]

@@ -294,7 +294,7 @@ def test_cuda_graphs_userbuffers_offloading_reach_megatron_cores_config_on_a_gpu
     """As Megatron-LM: the deprecated switch becomes --cuda-graph-impl, CUDA graphs with Transformer Engine
     turn its RNG tracker on, and the config gets the implementation, the modules, the warm-up, the
     userbuffer switch (the modules under the name the installed megatron-core uses) and what is offloaded."""
-    from megatron_resil import gpu_features
+    from megatron_resil import gpu_features, model
 
     cfg = tmp_path / "ub.yaml"
     cfg.write_text("qkv_fprop:\n  method: ring_exchange\n")
@@ -307,7 +307,7 @@ def test_cuda_graphs_userbuffers_offloading_reach_megatron_cores_config_on_a_gpu
         "pretrain.py: warning: --cuda-graph-scope is deprecated, use --cuda-graph-modules instead.",
         "pretrain.py: warning: te_rng_tracker is not enabled, enabling it for CUDA graphs."]
     config = {**flag_table.config_kwargs(args, arguments.FLAGS, "TransformerConfig"),
-              **gpu_features.config_kwargs(args)}
+              **model.cuda_graph_kwargs(args)}
     modules = "cuda_graph_modules" if "cuda_graph_modules" in config else "cuda_graph_scope"
     assert {k: config[k] for k in ("cuda_graph_impl", "cuda_graph_warmup_steps", "use_te_rng_tracker",
                                    "tp_comm_overlap", modules)} == \

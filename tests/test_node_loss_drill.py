@@ -68,9 +68,9 @@ def _lost_node_dropped_within(work: Path, seconds: float) -> float:
     joining the next round (the restart's record), which must be small: the round needs the lost node dropped
     and the replacement in. With NVRx's keep-alive (a heartbeat every 5 s, dropped after 3 missed) the drop
     comes at least 10 s after the loss (its last heartbeat was at most 5 s before it); with the drill's
-    1 s x 3 (megatron_resil/ft_launcher.py) about 3 s after it. The replacement's own start-up is the host's
-    speed, not the rendezvous': on a loaded host it arrives after the drop, and the round completes as it
-    does."""
+    1 s x 3 (megatron_resil/launch/ft_launcher.py) about 3 s after it. The replacement's own start-up is the
+    host's speed, not the rendezvous': on a loaded host it arrives after the drop, and the round completes as
+    it does."""
     save = work / "checkpoints"
     events = [json.loads(line) for line in (save / "events.jsonl").read_text().splitlines()]
     (loss,) = [e for e in events if e["event"] == "fault_injected" and e.get("kind") == "node-loss"]

@@ -33,10 +33,11 @@ def test_every_patch_is_checked_against_the_installed_code_and_fits_it():
     decided = _python("""
         import json
         from megatron_resil import patches
+        from megatron_resil.patches import registry
         patches.install()
-        print(json.dumps([{"name": p.name, "verdict": patches._decided[p.name].verdict,
-                           "line": patches._decided[p.name].line, "checks": len(p.checks)}
-                          for p in patches.registry()]))
+        print(json.dumps([{"name": p.name, "verdict": registry._decided[p.name].verdict,
+                           "line": registry._decided[p.name].line, "checks": len(p.checks)}
+                          for p in patches.records()]))
     """)
     assert decided.returncode == 0, decided.stdout + decided.stderr
     records = json.loads(decided.stdout.splitlines()[-1])
@@ -54,7 +55,7 @@ def test_every_patch_is_listed_in_the_docs():
     from megatron_resil import patches
 
     listed = (launch.REPO / "docs" / "patches.md").read_text()
-    assert [p.name for p in patches.registry() if f"| {p.name} " not in listed] == []
+    assert [p.name for p in patches.records() if f"| {p.name} " not in listed] == []
 
 
 # What a patch can change: every target and checked attribute of every record, the import machinery, the
@@ -65,10 +66,10 @@ _SNAPSHOT = """
     os.register_at_fork = lambda **hooks: forks.append(hooks)  # the test's own recorder
     import torch, torch.distributed.checkpoint.default_planner, torch.distributed.checkpoint.filesystem
     import megatron.core  # upstream's own import-time registrations happen here, before ours
-    from megatron_resil.patches import registry, _resolve
+    from megatron_resil.patches.registry import _resolve, records
 
     def paths():
-        for patch in registry():
+        for patch in records():
             yield patch.target
             for check in patch.checks:
                 for inner in getattr(check, "checks", (check,)):
@@ -108,19 +109,20 @@ def test_importing_megatron_resil_patches_nothing_and_what_it_builds_replaces_no
         print("changed by install:", len([k for k in before if before[k] != after_install[k]]))
 
         from megatron.core.rerun_state_machine import RerunStateMachine, get_rerun_state_machine
-        from megatron_resil import rerun
+        from megatron_resil.resilience import rerun
         rerun.initialize(rerun.RerunConfig(mode="report_determinism_stats"))
         machine = get_rerun_state_machine()
         os.environ["LOCAL_RANK"] = "0"  # NVRx >= 0.5 chains its GPU checks for this rank's device
         from nvidia_resiliency_ext import inprocess
         from megatron_resil.patches import nvrx
+        from megatron_resil.resilience import inprocess_restart
         chain = getattr(inprocess.Wrapper(), "restart_health_check", None)
         checks = getattr(chain, "instances", [chain] if chain else [])
         print("built:", json.dumps({
             "machine's own methods": [name for name in vars(machine)
                                       if callable(getattr(RerunStateMachine, name, None))],
             "restart checks": [type(check).__name__ for check in checks],
-            "left out": list(nvrx.gpu_health_checks_left_out()),
+            "left out": list(inprocess_restart.gpu_health_checks_left_out),
             "NVRx's GPU checks": [name for name in nvrx.GPU_HEALTH_CHECKS
                                   if hasattr(inprocess.health_check, name)]}))
     """))
@@ -222,7 +224,7 @@ def test_a_problem_upstream_no_longer_has_makes_its_patch_stand_down_with_one_li
     """)
     assert result.returncode == 0, result.stdout + result.stderr
     version = importlib.metadata.version("megatron-core")
-    from megatron_resil.patches import _source_on_disk
+    from megatron_resil.patches.registry import _source_on_disk
 
     router_compiles = "@torch.compile" in _source_on_disk("megatron.core.transformer.moe.router")  # 0.19
     # Imported before install(): the import hooks stand down too, each saying so.

@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from megatron_resil import restart_phases
+from megatron_resil import rank_process
+from megatron_resil.resilience import restart_phases
 from megatron_resil.tools import goodput, timeline
 from tests import launch
 
@@ -24,12 +25,12 @@ def test_a_process_creation_time_lies_between_its_spawn_and_its_first_line():
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         first_line = float(child.stdout.readline())
-        created = restart_phases.process_started_unix(child.pid)
+        created = rank_process.started_unix(child.pid)
     finally:
         child.kill()
         child.wait()
     assert created is not None and before - 0.02 <= created <= first_line + 0.02  # /proc counts 10 ms ticks
-    assert restart_phases.process_started_unix(2 ** 22 + 1) is None  # no such process
+    assert rank_process.started_unix(2 ** 22 + 1) is None  # no such process
 
 
 def _launcher_log(pid: int, at: float, message: str) -> str:

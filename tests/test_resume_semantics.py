@@ -28,9 +28,10 @@ import torch
 from megatron_resil import exit_codes, patches
 from megatron_resil.arguments import parse_args
 from megatron_resil.checkpointing import state
+from megatron_resil.checkpointing.resumed_schedule import ScheduleMismatch, check_resumed_schedule
 from megatron_resil.checkpointing.safe_load import CommonLoadWeightsOnly
 from megatron_resil.model import padded_vocab_size
-from megatron_resil.optimizer import ScheduleMismatch, build_scheduler, check_resumed_schedule
+from megatron_resil.optimizer import build_scheduler
 from megatron_resil.tokenizer import build_tokenizer
 from megatron_resil.train_log import floating_point_operations
 from tests import launch

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_resil import standby
+from megatron_resil.launch import standby
 from megatron_resil.tools import local_slurm
 from tests import launch
 
@@ -305,8 +305,8 @@ def _assert_cold(text: str, save: Path) -> None:
 
 def _ancestors(pid: int) -> list[int]:
     found = []
-    while (fields := launch.proc_stat(pid)) is not None and int(fields[1]) > 1:
-        pid = int(fields[1])
+    while (found := launch.proc_stat(pid)) is not None and found.parent > 1:
+        pid = found.parent
         found.append(pid)
     return found
 
@@ -351,7 +351,7 @@ def test_enable_ft_package_under_the_script_restarts_a_frozen_rank_inside_the_jo
     (name,) = re.findall(r"\[resil\] standby '(launcher-\d+)': ready", out.read_text())
     (standby,) = launch.processes_named(name)
     assert "slurmstepd" in [_command(pid) for pid in _ancestors(standby)]
-    assert len(launch.children(standby)) >= 2
+    assert len(launch.children_of(standby)) >= 2
     os.kill(workers[1], signal.SIGSTOP)
     info = _wait_ended(slurm, job, out)
     text = out.read_text()

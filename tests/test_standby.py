@@ -1,4 +1,4 @@
-"""Ranks forked from a standby (megatron_resil/standby.py) are the ranks to everyone outside.
+"""Ranks forked from a standby (megatron_resil/launch/standby.py) are the ranks to everyone outside.
 
 The process the launcher started is the rank to torchrun, ft_launcher, Slurm and the tests: what is done
 to it (SIGSTOP, SIGCONT, kill -9, SIGTERM) is done to the worker, and the worker's end is its end. A rank
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_resil import standby
-from megatron_resil import standby_wire as wire
+from megatron_resil.launch import standby
+from megatron_resil.launch import standby_wire as wire
 from tests import launch
 
 pytestmark = pytest.mark.slow
@@ -52,11 +52,11 @@ def _start_one_rank(tmp_path: Path, value: str | None = None):
     proc = launch.start(LONG_RUN, nproc=1, log_path=log)
     try:
         _wait(lambda: "iteration        2/" in log.read_text(), "iteration 2", proc=proc, log=log)
-        (client,) = [pid for pid in launch.children(proc.pid)
+        (client,) = [pid for pid in launch.children_of(proc.pid)
                      if b"LOCAL_RANK=" in Path(f"/proc/{pid}/environ").read_bytes()]
-        (worker,) = launch.children(launch.standby_pid(value))
+        (worker,) = launch.children_of(launch.standby_pid(value))
     except BaseException:  # never leave a run that trains until killed behind
-        _kill_tree(proc, *[pid for pid in launch.children(proc.pid)])
+        _kill_tree(proc, *[pid for pid in launch.children_of(proc.pid)])
         raise
     return proc, log, client, worker
 
@@ -74,14 +74,15 @@ def test_stop_continue_and_kill_of_the_launchers_process_reach_the_worker(tmp_pa
     proc, log, client, worker = _start_one_rank(tmp_path)
     try:
         # The standby's fork, not torchrun's.
-        assert worker != client and launch.proc_stat(worker)[1] != str(proc.pid)
+        assert worker != client and launch.proc_stat(worker).parent != proc.pid
         os.kill(client, signal.SIGSTOP)
-        _wait(lambda: launch.proc_stat(worker)[0] == "T", "the worker stopped with its client", timeout=5)
+        _wait(lambda: launch.proc_stat(worker).state == "T", "the worker stopped with its client", timeout=5)
         lines = log.read_text().count("iteration ")
         time.sleep(1.0)
         assert log.read_text().count("iteration ") == lines  # stopped: it trains no further
         os.kill(client, signal.SIGCONT)
-        _wait(lambda: launch.proc_stat(worker)[0] != "T", "the worker continued with its client", timeout=5)
+        _wait(lambda: launch.proc_stat(worker).state != "T", "the worker continued with its client",
+              timeout=5)
         _wait(lambda: log.read_text().count("iteration ") > lines, "training to go on", timeout=30)
         os.kill(client, signal.SIGKILL)  # what a launcher, a rank monitor or the OOM killer does
         _wait(lambda: not launch.alive(worker), "the worker to die with its client", timeout=5)
@@ -109,7 +110,7 @@ def test_sigterm_is_passed_on_and_the_exit_code_comes_back(tmp_path, session_sta
                         nproc=1, log_path=log)
     try:
         _wait(lambda: "iteration        2/" in log.read_text(), "iteration 2", proc=proc, log=log)
-        (client,) = [pid for pid in launch.children(proc.pid)
+        (client,) = [pid for pid in launch.children_of(proc.pid)
                      if b"LOCAL_RANK=" in Path(f"/proc/{pid}/environ").read_bytes()]
         os.kill(client, signal.SIGTERM)  # the launcher's own SIGTERM would go to it the same way
         proc.wait(timeout=120)
@@ -182,8 +183,9 @@ def test_the_standby_serves_its_own_user_only(session_standby):
 
 def test_a_standby_that_dies_ends_its_ranks_with_one_line(tmp_path):
     name = f"test-dies-{os.getpid()}"
-    own = subprocess.Popen([sys.executable, "-m", "megatron_resil.standby", "--name", name], env=launch.env(),
-                           cwd=launch.REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    own = subprocess.Popen([sys.executable, "-m", "megatron_resil.launch.standby", "--name", name],
+                           env=launch.env(), cwd=launch.REPO, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
     value = f"{name}@{own.pid}"
     proc = None
     try:

@@ -25,12 +25,12 @@ from typing import TextIO
 
 import pytest
 
-from megatron_resil import standby, standby_settings
-from megatron_resil import standby_wire as wire
+from megatron_resil.launch import standby, standby_settings
+from megatron_resil.launch import standby_wire as wire
 from tests import launch
 
 CLIENT = str(Path(__file__).with_name("standby_client.py"))
-SERVE = "import sys; from megatron_resil import standby; standby.serve(sys.argv[1], preload=())"
+SERVE = "import sys; from megatron_resil.launch import standby; standby.serve(sys.argv[1], preload=())"
 NOBODY = 65534
 
 
@@ -47,7 +47,7 @@ def _wait(condition, what: str, timeout: float = 30.0) -> None:
 
 
 def _start_standby(directory: Path, name: str, prefix: tuple[str, ...] = ()):
-    """A standby that imports nothing ahead (serve() itself, as `python -m megatron_resil.standby` runs
+    """A standby that imports nothing ahead (serve() itself, as `python -m megatron_resil.launch.standby` runs
     it): its value (NAME@PID), process and log."""
     log = directory / f"{name}.log"
     with open(log, "w") as out:
@@ -215,8 +215,8 @@ def test_a_malformed_value_is_said_and_the_rank_imports_for_itself(own_standby):
     _out, err = _finish(client)
     assert (kind, pid) == ("cold", client.pid)
     assert _resil_lines(err) == [f"[resil] standby: {standby.ENV}={value}x not used: not NAME or NAME@PID "
-                                 "(the standby's pid, as `python -m megatron_resil.standby --name NAME` "
-                                 "prints it); this rank imports torch itself"]
+                                 "(the standby's pid, as `python -m megatron_resil.launch.standby --name "
+                                 "NAME` prints it); this rank imports torch itself"]
 
 
 # ---- 2. a forked rank keeps its affinity, nice value, rlimits and NUMA policy -------------------------
@@ -239,9 +239,9 @@ def test_a_forked_rank_keeps_its_cpus_nice_value_limits_and_numa_policy(own_stan
                      prefix=prefix)  # a bare name: the uid is checked, and this is the standby
     try:
         kind, worker = _first_line(client)
-        assert kind == "forked" and launch.proc_stat(worker)[1] == str(proc.pid)
+        assert kind == "forked" and launch.proc_stat(worker).parent == proc.pid
         assert _proc_field(worker, "status", "Cpus_allowed_list:") == "1"
-        assert launch.proc_stat(worker)[16] == "5"  # stat's field 19, nice
+        assert launch.proc_stat(worker).nice == 5
         limits = Path(f"/proc/{worker}/limits").read_text()
         assert limits == Path(f"/proc/{client.pid}/limits").read_text()  # every limit, soft and hard
         assert "Max open files            200                  200" in limits
@@ -286,8 +286,8 @@ def _framed(payload: bytes) -> bytes:
 
 
 def _state(pid: int) -> str:
-    fields = launch.proc_stat(pid)
-    return fields[0] if fields else "gone"
+    found = launch.proc_stat(pid)
+    return found.state if found else "gone"
 
 
 class _Trickle(threading.Thread):

@@ -1,5 +1,5 @@
-"""A standby that imports megatron-core ahead (megatron_resil/standby_warmup.py): the ranks of the run it
-imported for are forked with megatron-core and their patches in memory and say what a rank that imported
+"""A standby that imports megatron-core ahead (megatron_resil/launch/standby_warmup.py): the ranks of the run
+it imported for are forked with megatron-core and their patches in memory and say what a rank that imported
 for itself says; a run whose patch records differ is refused with one line and imports for itself."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from megatron_resil import standby
+from megatron_resil.launch import standby
 from tests import launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.compat]
@@ -42,7 +42,7 @@ def test_the_first_runs_ranks_start_with_megatron_core_and_another_runs_import_i
     name = f"tests-warm-{os.getpid()}"
     log = tmp_path / "standby.log"
     with open(log, "w") as out:
-        server = subprocess.Popen([sys.executable, "-m", "megatron_resil.standby", "--name", name,
+        server = subprocess.Popen([sys.executable, "-m", "megatron_resil.launch.standby", "--name", name,
                                    "--import-megatron-core"], env=launch.env(standby=False), cwd=launch.REPO,
                                   stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:

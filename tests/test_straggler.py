@@ -17,7 +17,7 @@ import pytest
 from megatron_resil import events, exit_codes
 from megatron_resil.arguments import parse_args
 from megatron_resil.checkpointing import layout
-from megatron_resil.straggler import (
+from megatron_resil.resilience.straggler import (
     RankTiming,
     StragglerDetection,
     TimedRanks,

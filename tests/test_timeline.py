@@ -105,7 +105,7 @@ def test_the_picture_has_a_line_per_attempt_marks_and_the_lost_time_shaded(tmp_p
 def test_a_restarts_phases_are_stacked_segments_in_the_picture_and_summed_in_the_summary(tmp_path):
     """Attempt 2 recorded its way from the kill at 54.5 s to its first iteration at 116 s; the launcher's
     decision was not in its log, so detection runs to the next measured boundary."""
-    from megatron_resil import restart_phases
+    from megatron_resil.resilience import restart_phases
 
     events = _killed_then_resumed_from_an_older_checkpoint()
     offsets = [54.5, None, None, 92.0, 97.0, 99.5, 102.0, 105.8, 106.2, 107.0, 116.0]

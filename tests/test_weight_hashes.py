@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from megatron_resil.checkpointing import layout
+from megatron_resil.resilience.weight_hashes import Divergence, compare
 from megatron_resil.tools import requeue
-from megatron_resil.weight_hashes import Divergence, compare
 from tests import launch
 
 HOST = socket.gethostname()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from megatron_resil.arguments import (
     attention_variants,
@@ -75,13 +75,25 @@ def world_size_from_env() -> int:
     return int(raw)
 
 
-def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None) -> argparse.Namespace:
-    """Parse and validate; on bad input print one line naming the flag and exit with code 2."""
+SavedArgs = Callable[[argparse.Namespace, argparse.ArgumentParser], None]
+
+
+def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None,
+               saved_args: SavedArgs | None = None) -> argparse.Namespace:
+    """Parse and validate; on bad input print one line naming the flag and exit with code 2.
+    `saved_args`: what takes --use-checkpoint-args' arguments from the checkpoint into the parsed ones
+    (checkpointing.saved_args.take_from_checkpoint, which pretrain.py passes), called between parsing and
+    validation as Megatron-LM's initialize_megatron calls load_args_from_checkpoint; this package reads no
+    checkpoint, so without it --use-checkpoint-args is refused."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         world_size = world_size_from_env() if world_size is None else world_size
-        checkpoint_args.take_from_checkpoint(args, parser)  # --use-checkpoint-args: checked as if given
+        if saved_args is not None:
+            saved_args(args, parser)  # --use-checkpoint-args: what it takes is checked as if given
+        elif args.use_checkpoint_args:
+            raise ArgumentError("--use-checkpoint-args is read by pretrain.py: here no reader of a "
+                                "checkpoint's arguments was given (parse_args' saved_args)")
         flag_table.screen(args, FLAGS, cuda_available())
         for group in _GROUPS:
             group.validate(args, world_size)

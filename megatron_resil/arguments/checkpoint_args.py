@@ -1,26 +1,24 @@
 """--use-checkpoint-args, as Megatron-LM's load_args_from_checkpoint: before the command line is checked, the
 model's arguments saved in the checkpoint under --load take their place. Which ones, and how, is Megatron-LM's
 list for the installed release: most replace the command line's value ("forced"); the sizes only fill in one
-the command line left out. The checkpoint is the one the loader would take (its tracker's, else the newest
-that passes verification), read through safe_load. torch.distributed has not started yet, so every rank reads
-it itself; `check_ranks_agree` confirms, once it has, that they all took the same.
+the command line left out. This module owns the flags and the merge; reading the checkpoint is
+checkpointing/saved_args.py's, which parse_args calls between parsing and validation, as Megatron-LM's
+initialize_megatron calls load_args_from_checkpoint.
 
 The saved arguments are untrusted data: each value must be one its flag could have given (a size within
-arguments/sizes.py's bounds, a layer pattern checked without being read as text), the model they describe
-must fit in what the checkpoint records of its tensors (recorded_size.py), checked before anything is
-allocated, and a path that decides what code runs (the tokenizer directory under --trust-remote-code) is
-never taken from it."""
+arguments/sizes.py's bounds, a layer pattern checked without being read as text), and a path that decides
+what code runs (the tokenizer directory under --trust-remote-code) is never taken from them."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
 import math
-import os
 from dataclasses import dataclass
 
 from packaging.version import Version
 
+from megatron_resil import events
 from megatron_resil.arguments import sizes
 from megatron_resil.arguments.errors import ArgumentError
 from megatron_resil.arguments.flag_table import Flag, add_flags, warn
@@ -106,16 +104,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def validate(args: argparse.Namespace, world_size: int) -> None:
-    """Checked before the other concerns, in take_from_checkpoint: they check what it merged."""
+    """Checked before the other concerns, in wanted(): they check what was merged."""
 
 
-def take_from_checkpoint(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """With --use-checkpoint-args, the saved model arguments into `args`, each said in Megatron-LM's line.
-    Reads the checkpoint (megatron-core is imported, the patches installed first); raises ArgumentError."""
+def wanted(args: argparse.Namespace) -> bool:
+    """Whether a checkpoint's arguments are to be read, the flags' own checks first (ArgumentError)."""
     if not args.use_checkpoint_args:
         if args.use_mp_args_from_checkpoint_args:
             warn("--use-mp-args-from-checkpoint-args does nothing without --use-checkpoint-args")
-        return
+        return False
     if args.load is None:
         raise ArgumentError("--use-checkpoint-args needs --load DIR: the checkpoint whose model arguments "
                             "it takes")
@@ -123,79 +120,31 @@ def take_from_checkpoint(args: argparse.Namespace, parser: argparse.ArgumentPars
         raise ArgumentError("--use-checkpoint-args cannot be used with --non-persistent-ckpt-type local (as "
                             "in Megatron-LM): a node-local checkpoint is found only once the parallel "
                             "layout, which the arguments decide, is set up; drop one of them")
-    from megatron_resil import patches
-
-    patches.install(args)  # before megatron-core is imported; a second install() adds nothing
-    from megatron_resil import events
-
-    found = _saved_args(args)
-    if found is None:
-        events.print_rank_0("Checkpoint not found to provide arguments, using provided arguments.")
-        _say_missing_sizes(args, f"no checkpoint under --load {args.load}")
-        return
-    path, where, saved = found
-    if not saved:
-        events.print_rank_0("Checkpoint provided does not have arguments saved, using provided arguments.")
-        _say_missing_sizes(args, f"{where} has no saved arguments")
-        return
-    changed = _merge(args, saved, parser, where)
-    _check_recorded_size(args, path, where)
-    events.print_rank_0(f"[resil] checkpoint args: model arguments from {where} (--use-checkpoint-args); "
-                        + (f"replaced: {', '.join(changed)}" if changed else "none differs from the command "
-                           "line's"))
+    return True
 
 
-def _say_missing_sizes(args: argparse.Namespace, why: str) -> None:
+def say_missing_sizes(args: argparse.Namespace, why: str) -> None:
+    """Without a checkpoint's arguments to fill them in, the sizes a model needs must be on the command
+    line."""
     for name in _REQUIRED:
         if getattr(args, name) is None:
             raise ArgumentError(f"--{name.replace('_', '-')} is required: --use-checkpoint-args has nothing "
                                 f"to take it from ({why})")
 
 
-def _saved_args(args: argparse.Namespace) -> tuple[str, str, dict] | None:
-    """(its path, where, the saved arguments as a dict) of the candidate the loader would take first: newest
-    first across --load and a global non-persistent directory, each passing the loader's verification
-    (sizes, not checksums: every rank reads this itself), or None when none does."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    from megatron_resil import events
-    from megatron_resil.checkpointing.global_tier import GlobalTier
-    from megatron_resil.checkpointing.loader import newest_first
-
-    tiers = [GlobalTier(args.load, verify_checksums=False, verify_integrity=args.verify_integrity)]
-    non_persistent = args.non_persistent_global_ckpt_dir or \
-        (args.save and os.path.join(args.save, "non_persistent"))
-    if args.non_persistent_ckpt_type == "global" and non_persistent:
-        tiers.append(GlobalTier(non_persistent, name="non-persistent", verify_checksums=False,
-                                verify_integrity=args.verify_integrity))
-    for tier, candidate in newest_first(tiers):
-        where = f"{candidate.path} (iteration {candidate.iteration})"
-        try:
-            reason = tier.verify(candidate)
-            saved = None if reason else tier.saved_args(candidate)
-        except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP's is a BaseException
-            reason = f"unreadable ({type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]})"
-        if reason is not None:
-            events.print_rank_0(f"[resil] checkpoint args: passed over {where}: {reason}")
-            continue
-        if isinstance(saved, argparse.Namespace):
-            saved = vars(saved)
-        if not isinstance(saved, dict) and saved is not None:  # Megatron-LM saves a Namespace
-            raise ArgumentError(f"{where} holds saved arguments that are {_shown(saved)}, not the "
-                                "Namespace Megatron-LM saves; drop --use-checkpoint-args")
-        return candidate.path, where, dict(saved or {})
-    return None
+def copied_values(args: argparse.Namespace) -> dict[str, object]:
+    """Every argument a checkpoint can give, by Megatron-LM's name, with its value in `args`."""
+    return {row.name: getattr(args, _OURS.get(row.name, row.name), None)
+            for row in (*MODEL, *TOKENIZER, *LATER, *PARALLEL)}
 
 
 def _release() -> Version:
     return Version(Version(importlib.metadata.version("megatron-core")).base_version)
 
 
-def _merge(args: argparse.Namespace, saved: dict, parser: argparse.ArgumentParser, where: str) -> list[str]:
-    """Megatron-LM's copying, each value said in its line; returns every argument whose value (given or
-    default) the checkpoint's changed, with both values."""
-    from megatron_resil import events
-
+def merge(args: argparse.Namespace, saved: dict, parser: argparse.ArgumentParser, where: str) -> list[str]:
+    """Megatron-LM's copying of `saved` (what the checkpoint at `where` holds), each value said in its line;
+    returns every argument whose value (given or default) the checkpoint's changed, with both values."""
     saved = dict(saved)
     if "disable_bias_linear" in saved:  # Megatron-LM's one-off conversion for older checkpoints
         saved["add_bias_linear"] = not saved["disable_bias_linear"]
@@ -223,7 +172,7 @@ def _merge(args: argparse.Namespace, saved: dict, parser: argparse.ArgumentParse
             continue
         flag = actions[ours].option_strings[0]
         if not _fits(actions[ours], value):
-            raise ArgumentError(f"{where} holds {row.name}={_shown(value)}, which is no value of {flag}; "
+            raise ArgumentError(f"{where} holds {row.name}={shown(value)}, which is no value of {flag}; "
                                 "drop --use-checkpoint-args")
         if ours in sizes.LIMITS and (why := sizes.out_of_bounds(ours, value)) is not None:
             raise ArgumentError(f"{where} holds {row.name}={value}, which {flag} cannot be: it {why}; drop "
@@ -239,36 +188,11 @@ def _keep_tokenizer_model(args: argparse.Namespace, saved, where: str) -> None:
     """Under --trust-remote-code the tokenizer directory decides what code runs: the command line's is kept,
     and said, when the checkpoint names another. (Its --tokenizer-type is still taken, as in Megatron-LM: it
     only picks among the tokenizers built here, reading the directory the command line trusts.)"""
-    from megatron_resil import events
-
     if saved is not None and saved != args.tokenizer_model:
         kept = args.tokenizer_model if args.tokenizer_model is not None else "(none given)"
         events.print_rank_0(f"[resil] checkpoint args: kept the command line's --tokenizer-model {kept}, "
-                            f"not {_shown(saved)} from {where}: under --trust-remote-code the tokenizer "
+                            f"not {shown(saved)} from {where}: under --trust-remote-code the tokenizer "
                             "directory decides what code runs, and that is never taken from a checkpoint")
-
-
-def _check_recorded_size(args: argparse.Namespace, path: str, where: str) -> None:
-    """Refuses, before anything is allocated, arguments describing a model larger than the checkpoint's own
-    record of its tensors: a checkpoint cannot hold it, whatever its saved arguments say."""
-    from megatron_resil.checkpointing import recorded_size
-    from megatron_resil.checkpointing.tier import CheckpointDataError
-
-    parts = sizes.least_parameters(args)
-    least = sum(count for count, _ in parts)
-    if not least:
-        return
-    try:
-        recorded, what = recorded_size.recorded_elements(path)
-    except (OSError, CheckpointDataError) as err:
-        raise ArgumentError(f"{where}: its record of its tensors is unreadable ({type(err).__name__}: "
-                            f"{(str(err).splitlines() or [''])[0][:200]}), so its model arguments cannot be "
-                            "checked; drop --use-checkpoint-args") from None
-    if least > recorded:
-        count, part = max(parts)
-        raise ArgumentError(f"{where}: the model arguments taken from it (with the command line's) describe "
-                            f"at least {least:,} parameters ({part}: {count:,}), but {what}; refused before "
-                            "building the model: drop --use-checkpoint-args")
 
 
 def _fits(action: argparse.Action, value) -> bool:
@@ -299,7 +223,7 @@ def _fits_one(action: argparse.Action, value) -> bool:
     return fits and (action.choices is None or value in action.choices)
 
 
-def _shown(value) -> str:
+def shown(value) -> str:
     """A saved value as a refusal quotes it: escaped, and short whatever its size or kind."""
     if value is None or isinstance(value, (bool, float)):
         return ascii(value)
@@ -312,18 +236,3 @@ def _shown(value) -> str:
     return f"a {type(value).__name__}"
 
 
-def check_ranks_agree(args: argparse.Namespace) -> None:
-    """Collective, once torch.distributed is up: every rank read the checkpoint's arguments itself, so a
-    checkpoint replaced between their reads would build different models. Raises SystemExit(1) (a requeue
-    reads it again) after one line."""
-    from megatron_resil import events, parallel
-
-    names = [row.name for row in (*MODEL, *TOKENIZER, *LATER, *PARALLEL)]
-    mine = {name: getattr(args, _OURS.get(name, name), None) for name in names}
-    everyone = parallel.all_gather_object(mine)
-    differ = sorted({name for theirs in everyone for name in names if theirs[name] != mine[name]})
-    if differ:
-        events.decision("exit", f"--use-checkpoint-args: the ranks read different model arguments under "
-                        f"--load {args.load} ({', '.join(differ)}): it changed while they started; exiting "
-                        "with code 1", exit_code=1)
-        raise SystemExit(1)

@@ -1,5 +1,5 @@
 """Straggler detection flags: Megatron-LM's --log-straggler family, plus our report interval, NVRx's
-score thresholds and an opt-in stop (see megatron_resil/straggler.py)."""
+score thresholds and an opt-in stop (see megatron_resil/resilience/straggler.py)."""
 
 from __future__ import annotations
 

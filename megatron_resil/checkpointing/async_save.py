@@ -39,9 +39,8 @@ import torch.multiprocessing as mp
 
 from megatron_resil import events, parallel, patches
 from megatron_resil.checkpointing import staging
-from megatron_resil.checkpointing.global_tier import CheckpointSaveError
 from megatron_resil.checkpointing.staging import HostStaging
-from megatron_resil.checkpointing.tier import AsyncSaveJob, CheckpointTier
+from megatron_resil.checkpointing.tier import AsyncSaveJob, CheckpointSaveError, CheckpointTier
 
 WORKER_NAME = b"resil-ckpt-wkr"  # the process name (comm) operators and tests see in ps
 _READY = -1  # the tag of the worker's first message: started and imported, ready to write

@@ -7,17 +7,19 @@ an async save's worker sends its results back with its own reply (shard_writer, 
 gets an in-process queue. And torch.save's own per-record CRC, which nothing checks on load, is skipped
 while our manifest's CRC covers the same bytes.
 
-The queue is megatron-core's private `filesystem_async._results_queue` (a dependency the patches check at
-start-up; where it is gone, megatron-core's own queue is left in place).
+megatron-core's writer asks its module's queue getter for the queue at each save; a record in
+patches/megatron_core.py has it answered by `results_queue_from` with ours, at start-up. Where that record
+stood down, megatron-core's own queue is left in place.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import queue
+from collections.abc import Callable
 
 import torch
-from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 
 @contextlib.contextmanager
@@ -37,19 +39,32 @@ def without_torch_record_crc():
         serialization.set_crc32_options(previous)
 
 
+_this_save_queue: queue.Queue | None = None  # the save's own, while results_in_this_process is open
+
+
+def results_queue_from(megatron_getter: Callable) -> Callable:
+    """megatron-core's write-results queue getter, answering with the queue of the save under way in this
+    process (`results_in_this_process`), else as megatron-core does. Installed at start-up
+    (patches/megatron_core.py)."""
+    @functools.wraps(megatron_getter)
+    def results_queue(*args, **kwargs):
+        if _this_save_queue is not None:
+            return _this_save_queue
+        return megatron_getter(*args, **kwargs)
+
+    return results_queue
+
+
 @contextlib.contextmanager
 def results_in_this_process():
     """Within, megatron-core's writer reports to a queue in this process: a synchronous save writes here,
     and an async save's results come back from its worker with the worker's reply."""
-    if not hasattr(filesystem_async, "_results_queue"):
-        yield
-        return
-    previous = filesystem_async._results_queue
-    filesystem_async._results_queue = queue.Queue()
+    global _this_save_queue
+    previous, _this_save_queue = _this_save_queue, queue.Queue()
     try:
         yield
     finally:
-        filesystem_async._results_queue = previous
+        _this_save_queue = previous
 
 
 # ---- rank 0's own writes inside a collective save ------------------------------------------------

@@ -34,6 +34,8 @@ import socket
 import threading
 import time
 
+from megatron_resil import rank_process
+
 LOCK_NAME = ".resil.lock"
 LEASE_SECS = 300.0
 CLOCK_SKEW_SECS = 60.0  # how far ahead of ours another host's clock may run before its lease is a lie
@@ -70,14 +72,10 @@ def _boot_id() -> str | None:
 
 
 def _start_ticks(pid: int) -> int | None:
-    """When process `pid` started, in clock ticks since boot (field 22 of /proc/<pid>/stat); None if
-    no such process lives (a zombie has closed its files, its flock with them)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] == b"Z" else int(fields[19])
+    """When process `pid` started, in clock ticks since boot; None if no such process lives (a zombie has
+    closed its files, its flock with them)."""
+    found = rank_process.proc_stat(pid)
+    return None if found is None or found.state == "Z" else found.start_ticks
 
 
 class DirectoryLock:

@@ -16,6 +16,7 @@ import os
 import queue
 import shutil
 import time
+from collections.abc import Callable
 
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
@@ -24,7 +25,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
 )
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_resil import events, launcher_watch, parallel
+from megatron_resil import events, parallel
 from megatron_resil.checkpointing import (
     dcp_writer,
     layout,
@@ -50,7 +51,14 @@ from megatron_resil.checkpointing.manifest import (
 )
 from megatron_resil.checkpointing.staging import HostStaging
 from megatron_resil.checkpointing.staging import structure_of as staging_structure
-from megatron_resil.checkpointing.tier import AsyncSaveJob, CheckpointTier, NotForThisRun, TierCandidate
+from megatron_resil.checkpointing.tier import (
+    AsyncSaveJob,
+    CheckpointSaveError,
+    CheckpointTier,
+    NotForThisRun,
+    PublishWithheld,
+    TierCandidate,
+)
 from megatron_resil.checkpointing.tracker import read_tracker, write_tracker
 
 FORMATS = ("torch_dist", "zarr", torch_format.FORMAT)
@@ -63,10 +71,6 @@ _MCORE_ASYNC = {"async_strategy": "mcore"} if "async_strategy" in \
     inspect.signature(dist_checkpointing.save).parameters else {}
 # megatron-core picks the strategy that reads a checkpoint from its metadata.json: zarr needs ours.
 zarr_strategy.register()
-
-
-class CheckpointSaveError(RuntimeError):
-    """A save that could not complete; the previous checkpoint and the tracker are untouched."""
 
 
 def _make_staging(root: str, iteration: int) -> str:
@@ -98,6 +102,7 @@ class GlobalTier(CheckpointTier):
         self.verify_integrity = verify_integrity
         self.strictness = strictness  # --dist-ckpt-strictness, megatron-core's StrictHandling, as Megatron-LM
         self.on_staged = None  # called with the iteration after the shards are written, before publish
+        self.may_publish: Callable[[], bool] | None = None  # asked on rank 0 just before a publish
         self._common_of: tuple[str, dict] | None = None
         self._rank_files: torch_format.RankFiles | None = None  # a torch-format candidate's, read by verify
         # A --load that is not this run's --save is only read: a rejected checkpoint there stays put.
@@ -436,8 +441,9 @@ class GlobalTier(CheckpointTier):
         fsync_dir(staging)
         # A rank whose launcher died stops without publishing (launcher_watch): its watch thread may
         # not have noticed yet, but a save that finished meanwhile must not be published past the
-        # exit record. This ends the process here if the launcher is gone.
-        launcher_watch.stop_if_orphaned()
+        # exit record. The trainer says whether it still may; if not, the decision is the trainer's.
+        if self.may_publish is not None and not self.may_publish():
+            raise PublishWithheld(f"iteration {iteration} was written to {staging} but not published")
         publish_directory(staging, final, layout.new_displaced_dir(self.root, iteration))
         if self.write_tracker:
             write_tracker(self.root, iteration)

@@ -2,7 +2,7 @@
 
 Each rank verifies its part; one collective decides, so all ranks accept or all move on together
 and a load never diverges. Rank 0 logs one line per candidate with the verdict and its reason. A reason
-may quote the checkpoint (a file name, a manifest key): it is escaped (untrusted.escape_untrusted) before
+may quote the checkpoint (a file name, a manifest key): it is escaped (events.escape_untrusted) before
 it is logged or written beside a quarantined candidate, so no name can stop the fallback.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_resil import events, parallel, restart_phases
+from megatron_resil import events, parallel, phase_marks
 from megatron_resil.checkpointing.tier import (
     CheckpointDataError,
     CheckpointFormatError,
@@ -22,7 +22,6 @@ from megatron_resil.checkpointing.tier import (
     NotForThisRun,
     TierCandidate,
 )
-from megatron_resil.checkpointing.untrusted import escape_untrusted
 
 
 class CheckpointLoadError(RuntimeError):
@@ -40,7 +39,7 @@ def _summarise(reasons: list[str | None]) -> str:
     bad = [(rank, r) for rank, r in enumerate(reasons) if r is not None]
     first_rank, first = bad[0]
     more = f" (and {len(bad) - 1} more rank(s))" if len(bad) > 1 else ""
-    return escape_untrusted(f"rank {first_rank}: {first}{more}")
+    return events.escape_untrusted(f"rank {first_rank}: {first}{more}")
 
 
 def _root_cause(err: BaseException) -> BaseException:
@@ -55,7 +54,7 @@ def _root_cause(err: BaseException) -> BaseException:
 def _one_line(err: BaseException) -> str:
     err = _root_cause(err)
     first_line = (str(err).splitlines() or [""])[0][:300]
-    return escape_untrusted(f"{type(err).__name__}: {first_line}")
+    return events.escape_untrusted(f"{type(err).__name__}: {first_line}")
 
 
 def newest_first(tiers: list[CheckpointTier], older_than: int | None = None):
@@ -147,7 +146,7 @@ def load_first_verified(tiers: list[CheckpointTier], make_template: TemplateMake
             tier.quarantine(candidate, why)
             continue
         def load(tier=tier, candidate=candidate):
-            restart_phases.mark("chosen")  # verified: reading it begins
+            phase_marks.mark("chosen")  # verified: reading it begins
             try:
                 template = make_template(candidate, tier.saved_args(candidate),
                                          tier.saved_metadata(candidate))

@@ -39,7 +39,6 @@ from megatron_resil import events, parallel
 from megatron_resil.checkpointing import untrusted
 from megatron_resil.checkpointing.atomic import atomic_write_text, replace_file_text
 from megatron_resil.checkpointing.dcp_writer import without_torch_record_crc
-from megatron_resil.checkpointing.global_tier import CheckpointSaveError
 from megatron_resil.checkpointing.replication import (
     WorkerReplication,
     build_clique_strategy,
@@ -52,6 +51,7 @@ from megatron_resil.checkpointing.staging import HostStaging, structure_of
 from megatron_resil.checkpointing.tier import (
     AsyncSaveJob,
     CheckpointDataError,
+    CheckpointSaveError,
     CheckpointTier,
     NotForThisRun,
     TierCandidate,

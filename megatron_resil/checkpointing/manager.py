@@ -7,9 +7,11 @@ where and how to tiers and the choosing to the loader.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -19,12 +21,12 @@ from megatron_resil import events, exit_codes, parallel
 from megatron_resil.checkpointing import layout, loader, state
 from megatron_resil.checkpointing.async_save import AsyncSaves
 from megatron_resil.checkpointing.canary import LoadCanary
-from megatron_resil.checkpointing.global_tier import PARTIAL_LOADS, CheckpointSaveError, GlobalTier
+from megatron_resil.checkpointing.global_tier import PARTIAL_LOADS, GlobalTier
 from megatron_resil.checkpointing.local_tier import LocalTier
+from megatron_resil.checkpointing.resumed_schedule import ScheduleMismatch
 from megatron_resil.checkpointing.retention import apply_retention
-from megatron_resil.checkpointing.tier import CheckpointTier, TierCandidate
+from megatron_resil.checkpointing.tier import CheckpointSaveError, CheckpointTier, TierCandidate
 from megatron_resil.checkpointing.tracker import tracker_path
-from megatron_resil.optimizer import ScheduleMismatch, params_in_sync
 from megatron_resil.progress import TrainProgress
 
 
@@ -85,10 +87,16 @@ class CheckpointConfig:
 
 class CheckpointManager:
     def __init__(self, config: CheckpointConfig, model: list, optimizer, scheduler,
-                 args: argparse.Namespace, on_staged=None) -> None:
-        """`model`: this rank's model chunks (megatron-core DDP modules)."""
+                 args: argparse.Namespace, on_staged: Callable[[int], None] | None = None,
+                 params_in_sync: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 may_publish: Callable[[], bool] | None = None) -> None:
+        """`model`: this rank's model chunks (megatron-core DDP modules). What the layers above hand in:
+        `on_staged`, fault injection's hook point inside a save; `params_in_sync`, the optimizer's context
+        in which the model holds the parameters the last step produced; `may_publish`, asked before a
+        global tier publishes (False: the save is withheld, PublishWithheld, for the trainer to decide)."""
         self.config = config
         self.model, self.optimizer, self.scheduler, self.args = model, optimizer, scheduler, args
+        self.params_in_sync = params_in_sync
         self.save_tier = GlobalTier(config.save, ckpt_format=config.ckpt_format,
                                     assume_constant_structure=config.assume_constant_structure,
                                     verify_integrity=config.verify_integrity) \
@@ -113,6 +121,8 @@ class CheckpointManager:
         for tier in (self.save_tier, self.non_persistent_tier):
             if tier is not None:
                 tier.on_staged = on_staged  # fault injection's hook point inside a save
+                if isinstance(tier, GlobalTier):
+                    tier.may_publish = may_publish
                 tier.startup_cleanup()
 
     # ---- load ----------------------------------------------------------------------------------
@@ -340,7 +350,7 @@ class CheckpointManager:
 
     def _save_to(self, tier: CheckpointTier, progress: TrainProgress, use_async: bool = False) -> None:
         started = time.monotonic()
-        with params_in_sync(self.model, self.args):  # the parameters this step produced, gathered
+        with self.params_in_sync():  # the parameters this step produced, gathered
             sharded = state.build_sharded_state(
                 self.model, self.optimizer, self.scheduler, progress, self.args,
                 with_optimizer=self.config.save_optim, with_rng=self.config.save_rng,

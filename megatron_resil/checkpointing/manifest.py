@@ -24,6 +24,7 @@ from collections.abc import Mapping
 
 import google_crc32c  # verifies version 3 manifests (CRC32C)
 
+from megatron_resil import events
 from megatron_resil.checkpointing import megatron_integrity, untrusted
 from megatron_resil.checkpointing.atomic import fsync_file
 
@@ -150,7 +151,7 @@ def check_manifest(directory: str, manifest: dict, iteration: int | None, *, sha
     sha256 = sha256 or {}
     index, count = share
     for position, (rel, entry) in enumerate(sorted(manifest["files"].items())):
-        shown = untrusted.escape_untrusted(rel)  # a name the manifest chose
+        shown = events.escape_untrusted(rel)  # a name the manifest chose
         try:
             size, algorithm, crc = _size_and_crc(entry)
         except (KeyError, TypeError, ValueError):

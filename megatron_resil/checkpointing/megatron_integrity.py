@@ -19,6 +19,7 @@ import json
 import os
 from collections.abc import Collection, Mapping
 
+from megatron_resil import events
 from megatron_resil.checkpointing import untrusted
 from megatron_resil.checkpointing.atomic import fsync_file
 
@@ -103,7 +104,7 @@ def read_integrity_manifest(directory: str) -> tuple[dict[str, str] | None, str 
 
 
 def mismatch(name: str, actual: str, expected: str) -> str:
-    return (f"{WHAT}: {untrusted.escape_untrusted(name)} fails its SHA-256 checksum (got {actual[:16]}..., "
+    return (f"{WHAT}: {events.escape_untrusted(name)} fails its SHA-256 checksum (got {actual[:16]}..., "
             f"it says {expected[:16]}...)")
 
 
@@ -115,7 +116,7 @@ def verify_integrity_manifest(directory: str, files: Mapping[str, str], *, share
     index, count = share
     for position, (name, expected) in enumerate(sorted(files.items())):
         if untrusted.is_plain_relative(name) and not os.path.lexists(os.path.join(directory, name)):
-            return f"{WHAT} lists {untrusted.escape_untrusted(name)}, which is missing"
+            return f"{WHAT} lists {events.escape_untrusted(name)}, which is missing"
         try:  # a name from the checkpoint: inside it, through no link, a regular file
             full = untrusted.inside(directory, name)
         except untrusted.UntrustedPathError as err:

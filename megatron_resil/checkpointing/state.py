@@ -4,8 +4,8 @@ model1, ... with virtual pipeline stages), optimizer (megatron-core's own sharde
 optimizer's shards under --use-distributed-optimizer), opt_param_scheduler, rng_state (one ShardedObject per
 pipeline and tensor-parallel rank, and per data-parallel rank too under expert parallelism where the matching
 Megatron-LM does so: see `_RNG_BY_DATA_PARALLEL_RANK`), rerun_state_machine (None unless saved for
-exit 16 or 17; see rerun.py) and num_floating_point_operations_so_far. Non-tensor values land in common.pt,
-which loads with torch.load(weights_only=True).
+exit 16 or 17; see rerun_state.py) and num_floating_point_operations_so_far. Non-tensor values land in
+common.pt, which loads with torch.load(weights_only=True).
 
 The sharding metadata Megatron-LM records in metadata.json (`content_metadata`: the distributed optimizer's
 sharding type) says how the optimizer state is laid out; a load builds its template from the checkpoint's
@@ -26,10 +26,10 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.safe_globals import register_safe_globals
 from megatron.core.utils import unwrap_model
 
-from megatron_resil import events, parallel, rerun
-from megatron_resil.checkpointing import safe_load, torch_format, untrusted
+from megatron_resil import events, parallel
+from megatron_resil.checkpointing import rerun_state, safe_load, torch_format, untrusted
+from megatron_resil.checkpointing.resumed_schedule import apply_overridden_schedule, check_resumed_schedule
 from megatron_resil.checkpointing.tier import CheckpointFormatError
-from megatron_resil.optimizer import apply_overridden_schedule, check_resumed_schedule
 from megatron_resil.progress import TrainProgress
 
 CHECKPOINT_VERSION = 3.0
@@ -146,7 +146,7 @@ def build_sharded_state(model: list, optimizer, scheduler, progress: TrainProgre
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": progress.iteration,
         "num_floating_point_operations_so_far": progress.floating_point_operations_so_far,
-        "rerun_state_machine": rerun.checkpoint_state(),
+        "rerun_state_machine": rerun_state.checkpoint_state(),
     }
     # Keyed by the models themselves, as Megatron-LM keys them: without the DDP and Float16Module wrappers.
     for key, chunk in zip(_model_keys(model), unwrap_model(model), strict=True):
@@ -179,9 +179,9 @@ def _torch_format_state(model: list, optimizer, scheduler, progress: TrainProgre
         state["opt_param_scheduler"] = scheduler.state_dict()
         if args.use_distributed_optimizer:
             state[torch_format.PARAMETER_STATE] = torch_format.parameter_state(optimizer)
-    rerun_state = rerun.checkpoint_state()
-    if rerun_state is not None:  # every rank's part is in per_rank; its ShardedObject is torch_dist's
-        state["rerun_state_machine"] = {k: v for k, v in rerun_state.items() if k != "sharded"}
+    pending_rerun = rerun_state.checkpoint_state()
+    if pending_rerun is not None:  # every rank's part is in per_rank; its ShardedObject is torch_dist's
+        state["rerun_state_machine"] = {k: v for k, v in pending_rerun.items() if k != "sharded"}
     if with_rng:
         state["rng_state"] = [parallel.rng_state()]
     state["num_floating_point_operations_so_far"] = progress.floating_point_operations_so_far
@@ -342,7 +342,7 @@ def restore(loaded: dict, model: list, optimizer, scheduler, *, load_optimizer: 
             with torch.no_grad():
                 optimizer.reload_model_params()
         return TrainProgress(floating_point_operations_so_far=flops)
-    rerun.restore_state(loaded.get("rerun_state_machine"))
+    rerun_state.restore_state(loaded.get("rerun_state_machine"))
     record = loaded["args"]
     saved = vars(record) if isinstance(record, argparse.Namespace) else record
     progress = TrainProgress(

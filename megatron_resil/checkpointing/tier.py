@@ -11,6 +11,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 
+class CheckpointSaveError(RuntimeError):
+    """A save that could not complete; the previous checkpoint and the tracker are untouched."""
+
+
+class PublishWithheld(Exception):
+    """A save written in full that this process may no longer publish: its tier's `may_publish` said no (the
+    trainer's launcher is gone, resilience/launcher_watch.py). Not a failed save: raised to the trainer,
+    which decides what follows; the staging directory is the next run's to remove."""
+
+
 class CheckpointDataError(Exception):
     """Raised by a tier's load when the candidate's data proves bad while being read (a format's own
     check, e.g. zarr's per-chunk crc32c, after the manifest passed or was skipped): the loader

@@ -16,7 +16,7 @@ import io
 import struct
 
 from megatron_resil.checkpointing.tier import CheckpointDataError
-from megatron_resil.checkpointing.untrusted import escape_untrusted
+from megatron_resil.events import escape_untrusted
 
 _LOCAL = b"PK\x03\x04"
 _END = struct.Struct("<4s4H2LH")

@@ -7,8 +7,8 @@ with an absolute second part returns that part, and `..` climbs out. `inside()` 
 of them: a relative path of plain names, resolved without following any link, ending at a regular file.
 `open_regular()` never blocks on a FIFO or a device and refuses a file larger than its kind may be;
 `find_irregular()`, `tree_size()` and `remove_tree()` walk a tree of any depth without recursion.
-Names and strings a checkpoint chose are shown through `escape_untrusted()`, so no message that quotes one
-can fail to print or span lines.
+Names and strings a checkpoint chose are shown through `events.escape_untrusted()`, so no message that
+quotes one can fail to print or span lines.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import stat
 import uuid
 
 from megatron_resil.checkpointing.tier import CheckpointDataError
+from megatron_resil.events import escape_untrusted
 
 # Upper bounds on what is read whole into memory, per rank, before any of it is checked. DCP's
 # `.metadata` takes about 200 bytes per chunk it indexes: 1 GiB is five million chunks, beyond the
@@ -35,27 +36,6 @@ MAX_SMALL_FILE_BYTES = 64 << 20
 # and thread (torch_dist) or per chunk (zarr): beyond these it is not a checkpoint of ours or Megatron-LM's.
 MAX_DEPTH = 32
 MAX_ENTRIES = 1_000_000
-
-
-def escape_untrusted(text) -> str:
-    """`text` (a name or string a checkpoint chose) with every character a terminal or log would not show
-    as itself written as an escape: control characters (a newline would forge a line), lone surrogates
-    (JSON can hold them, no encoder writes them), format and unassigned characters; a byte of a file name
-    that is not UTF-8 (Python's surrogateescape) as `\\xNN`. Printable text is left alone, so escaping
-    twice changes nothing."""
-    text = str(text)
-    if text.isprintable():
-        return text
-    return "".join(char if char.isprintable() else _escaped(char) for char in text)
-
-
-def _escaped(char: str) -> str:
-    code = ord(char)
-    if 0xDC80 <= code <= 0xDCFF:  # os.listdir's stand-in for an undecodable byte of a name
-        return f"\\x{code - 0xDC00:02x}"
-    if code < 0x100:
-        return f"\\x{code:02x}"
-    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
 class UntrustedPathError(CheckpointDataError):

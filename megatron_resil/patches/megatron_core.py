@@ -12,7 +12,7 @@ import inspect
 import sys
 from collections.abc import Callable
 
-from megatron_resil.patches import (
+from megatron_resil.patches.registry import (
     STAND_DOWN,
     AnyOf,
     Has,
@@ -341,6 +341,16 @@ def _metadata_writes_fail_late() -> None:
     serialization.save_config = dcp_writer.failing_late(serialization.save_config)
 
 
+def _write_results_queue_ours() -> None:
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from megatron_resil.checkpointing import dcp_writer
+
+    name = "get_write_results_queue" if hasattr(filesystem_async, "get_write_results_queue") \
+        else "_get_write_results_queue"  # megatron-core 0.16's name
+    setattr(filesystem_async, name, dcp_writer.results_queue_from(getattr(filesystem_async, name)))
+
+
 # ---- a legacy common.pt read weights-only (checkpointing/safe_load.py) -----------------------------------
 
 def _legacy_common_pt_weights_only() -> None:
@@ -383,7 +393,7 @@ _MACHINE = f"{_RERUN}:RerunStateMachine"
 def _rerun_validations_reported() -> None:
     from megatron.core.rerun_state_machine import RerunStateMachine
 
-    from megatron_resil import rerun
+    from megatron_resil.resilience import rerun
 
     validate = RerunStateMachine.validate_result
 
@@ -673,11 +683,17 @@ PATCHES = (
     Patch(
         name="write results queue",
         package=PACKAGE, written_for=WRITTEN_FOR,
-        target=f"{_FILESYSTEM_ASYNC}:_results_queue",
-        why="dcp_writer sets the module's private results queue to an in-process queue for every save: a "
-            "synchronous save's writer reports in this process, an async save's worker sends its results "
-            "back with its reply",
-        checks=(Has(f"{_FILESYSTEM_ASYNC}:_results_queue"), Says(_FILESYSTEM_ASYNC, "global _results_queue")),
+        target=f"{_FILESYSTEM_ASYNC}:get_write_results_queue",  # 0.16: _get_write_results_queue
+        why="megatron-core's writer asks its module's queue getter at each save; ours answers (dcp_writer) "
+            "with an in-process queue for every save: a synchronous save's writer reports in this process, "
+            "an async save's worker sends its results back with its reply",
+        checks=(AnyOf((Has(f"{_FILESYSTEM_ASYNC}:get_write_results_queue"),
+                       Has(f"{_FILESYSTEM_ASYNC}:_get_write_results_queue"))),
+                AnyOf((Says(f"{_FILESYSTEM_ASYNC}:FileSystemWriterAsync.prepare_write_data",
+                            "self.results_queue = get_write_results_queue()"),
+                       Says(f"{_FILESYSTEM_ASYNC}:FileSystemWriterAsync.prepare_write_data",
+                            "self.results_queue = _get_write_results_queue()")))),
+        apply=_write_results_queue_ours,
         on_mismatch=STAND_DOWN,
         without="megatron-core starts its own Manager, which costs each rank an interpreter and dies with a "
                 "job-wide SIGTERM",

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from megatron_resil.patches import Has, Patch, Says, Takes
+from megatron_resil.patches.registry import Has, Patch, Says, Takes
 
 PACKAGE = "megatron-core"
 WRITTEN_FOR = ">=0.16.1,<0.20"

@@ -6,7 +6,7 @@ checked, with the call in NVRx that reaches it.
 One record replaces a method of NVRx's in-process restart Wrapper, on a host without CUDA: NVRx 0.5 and
 later run GPU health checks of their own before every restart, which cannot run there.
 
-One record replaces something, in ft_launcher's process only (`python -m megatron_resil.ft_launcher`
+One record replaces something, in ft_launcher's process only (`python -m megatron_resil.launch.ft_launcher`
 installs it by name; pretrain.py never does): NVRx 0.4.1's rendezvous hard-codes torch's keep-alive (a
 heartbeat every 5 s, a node dropped after 3 missed), where torch's own c10d rendezvous reads
 `--rdzv-conf keep_alive_interval=S,keep_alive_max_attempt=N`. The record makes NVRx read the same keys."""
@@ -17,7 +17,7 @@ import argparse
 import functools
 import sys
 
-from megatron_resil.patches import Has, Patch, Says, Takes, _source_on_disk
+from megatron_resil.patches.registry import Has, Patch, Says, Takes, _source_on_disk
 
 PACKAGE = "nvidia-resiliency-ext"
 WRITTEN_FOR = ">=0.4.1,<0.8"
@@ -36,8 +36,8 @@ KEEP_ALIVE_KEYS = ("keep_alive_interval", "keep_alive_max_attempt")  # torch's n
 
 
 def _launcher_only(args: argparse.Namespace | None) -> bool:
-    # ft_launcher's process installs it by name (megatron_resil/ft_launcher.py); a run's own install never
-    # does. With no arguments (every record, as the patch tests check them): yes.
+    # ft_launcher's process installs it by name (megatron_resil/launch/ft_launcher.py); a run's own install
+    # never does. With no arguments (every record, as the patch tests check them): yes.
     return args is None
 
 
@@ -103,13 +103,6 @@ _CONSTRUCT = f"{_INPROCESS}:Wrapper._construct_restart_health_check"
 # restart (the Wrapper's `restart_health_check`; 0.4.1 has neither): one each for the GPU, its NVLinks and
 # its InfiniBand NIC, the GPU being LOCAL_RANK's. All three read the GPU through NVML.
 GPU_HEALTH_CHECKS = ("ChainedGPUHealthCheck", "ChainedNVLHealthCheck", "ChainedNicHealthCheck")
-_left_out: tuple[str, ...] = ()
-
-
-def gpu_health_checks_left_out() -> tuple[str, ...]:
-    """The names of NVRx's GPU health checks the last Wrapper built in this process runs no more before a
-    restart (none with CUDA, or with an NVRx that has none)."""
-    return _left_out
 
 
 def _inprocess_restart_without_cuda(args: argparse.Namespace | None) -> bool:
@@ -135,16 +128,16 @@ def _gpu_health_checks_left_out_without_cuda() -> None:
 
     @functools.wraps(construct)
     def construct_without_gpu_checks(self) -> None:
-        global _left_out
+        from megatron_resil.resilience import inprocess_restart  # its set-up line names what is left out
+
         construct(self)
         chained = self.restart_health_check
-        if chained is None:
-            _left_out = ()
-            return
-        checks = getattr(chained, "instances", (chained,))  # a Compose, or a single check
-        kept = [check for check in checks if not isinstance(check, gpu_checks)]
-        self.restart_health_check = inprocess.Compose(*kept) if kept else None
-        _left_out = tuple(type(check).__name__ for check in checks if isinstance(check, gpu_checks))
+        checks = () if chained is None else getattr(chained, "instances", (chained,))  # a Compose, or one
+        if chained is not None:
+            kept = [check for check in checks if not isinstance(check, gpu_checks)]
+            self.restart_health_check = inprocess.Compose(*kept) if kept else None
+        inprocess_restart.gpu_health_checks_left_out = tuple(
+            type(check).__name__ for check in checks if isinstance(check, gpu_checks))
 
     inprocess.Wrapper._construct_restart_health_check = construct_without_gpu_checks
 
@@ -260,7 +253,7 @@ PATCHES = (
             "(FtRendezvousHandler.from_backend), where torch's c10d rendezvous reads keep_alive_interval and "
             "keep_alive_max_attempt from --rdzv-conf: after a node loss the survivors cannot form the next "
             "round with its replacement for 10-15 s (issue 26's drill). Installed in ft_launcher's process "
-            "by megatron_resil.ft_launcher when --rdzv-conf names a key; NVRx's defaults otherwise",
+            "by megatron_resil.launch.ft_launcher when --rdzv-conf names a key; NVRx's defaults otherwise",
         checks=(
             Takes(f"{_RDZV}:create_handler", ("store", "backend", "params")),
             # NVRx's launcher imports create_handler from the module when it registers the handler, so the

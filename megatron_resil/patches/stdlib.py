@@ -13,7 +13,7 @@ import ctypes
 import os
 import signal
 
-from megatron_resil.patches import STAND_DOWN, Has, Patch
+from megatron_resil.patches.registry import STAND_DOWN, Has, Patch
 
 _PR_SET_PDEATHSIG = 1
 _forking_pid: int | None = None

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pickle
 
-from megatron_resil.patches import AnyOf, Has, Patch, Says, Takes
+from megatron_resil.patches.registry import AnyOf, Has, Patch, Says, Takes
 
 PACKAGE = "torch"
 WRITTEN_FOR = ">=2.6,<2.14"

@@ -25,7 +25,7 @@ import importlib
 import os
 import sys
 
-from megatron_resil.patches import STAND_DOWN, Has, Patch, Says
+from megatron_resil.patches.registry import STAND_DOWN, Has, Patch, Says
 
 PACKAGE = "torch"
 WRITTEN_FOR = ">=2.6,<2.14"

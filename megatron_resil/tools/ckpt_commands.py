@@ -9,15 +9,8 @@ from __future__ import annotations
 import os
 import stat
 
-from megatron_resil.checkpointing import layout, untrusted
-from megatron_resil.checkpointing.global_tier import GlobalTier
-from megatron_resil.checkpointing.loader import newest_first
-from megatron_resil.checkpointing.local_tier import QUARANTINE_DIR, describe, inspect_copies
-from megatron_resil.checkpointing.manifest import has_manifest, read_manifest
-from megatron_resil.checkpointing.megatron_integrity import has_integrity_manifest
-from megatron_resil.checkpointing.tier import TierCandidate
-from megatron_resil.checkpointing.torch_format import is_torch_checkpoint
-from megatron_resil.checkpointing.tracker import read_tracker
+from megatron_resil import checkpointing
+from megatron_resil.checkpointing import GlobalTier, TierCandidate, newest_first
 from megatron_resil.events import say
 
 
@@ -29,14 +22,14 @@ class OfflineLocalTier:
 
     def __init__(self, root: str) -> None:
         self.root = root
-        self.copies = inspect_copies(root)
+        self.copies = checkpointing.inspect_local_copies(root)
         rank_dirs = [p for p in os.listdir(root) if p.isdigit()] if os.path.isdir(root) else []
         owners = [o for by_owner in self.copies.values() for o in by_owner]
         self.world = max([len(rank_dirs), *(o + 1 for o in owners)], default=0)
 
     def candidates(self) -> list[TierCandidate]:
-        return [TierCandidate("local", it, describe(self.root, it), "node-local shards")
-                for it in sorted(self.copies, reverse=True)]
+        return [TierCandidate("local", it, checkpointing.local_iteration_path(self.root, it),
+                              "node-local shards") for it in sorted(self.copies, reverse=True)]
 
     def verify(self, candidate: TierCandidate) -> str | None:
         by_owner = self.copies[candidate.iteration]
@@ -57,7 +50,7 @@ class OfflineLocalTier:
 
 def _size(path: str) -> str:
     """The regular files' bytes in MiB, and what kept any from being counted."""
-    size, short = untrusted.tree_size(path)
+    size, short = checkpointing.tree_size(path)
     return f"{size / 2**20:10.1f} MiB" + (f" ({short})" if short else "")
 
 
@@ -82,8 +75,8 @@ def cmd_list(root: str, local: str | None, non_persistent: str | None) -> int:
 def _reason(path: str) -> str:
     """A quarantine note; whatever stands under its name (a FIFO, a link) is named, never opened."""
     try:
-        return untrusted.read_text(path, 64 << 10, "quarantine note").strip()
-    except (OSError, UnicodeDecodeError, untrusted.CheckpointDataError) as err:
+        return checkpointing.read_untrusted_text(path, 64 << 10, "quarantine note").strip()
+    except (OSError, UnicodeDecodeError, checkpointing.CheckpointDataError) as err:
         return f"? ({err})"
 
 
@@ -98,33 +91,34 @@ def _is_real_dir(path: str) -> bool:
 def _glob_reasons(root: str) -> list[str]:
     found = []
     for rank in sorted(os.listdir(root)) if os.path.isdir(root) else []:  # the root is the user's
-        qdir = os.path.join(root, rank, QUARANTINE_DIR)
+        quarantine = checkpointing.LOCAL_QUARANTINE_DIR
+        qdir = os.path.join(root, rank, quarantine)
         if not (_is_real_dir(os.path.join(root, rank)) and _is_real_dir(qdir)):
             continue
         for name in sorted(os.listdir(qdir)):
             if name.endswith(".REASON.txt"):
                 reason = _reason(os.path.join(qdir, name))
-                found.append(f"{rank}/{QUARANTINE_DIR}/{name[:-len('.REASON.txt')]}: {reason}")
+                found.append(f"{rank}/{quarantine}/{name[:-len('.REASON.txt')]}: {reason}")
     return found
 
 
 def _list_global(root: str) -> None:
-    reading = read_tracker(root)
+    reading = checkpointing.read_tracker(root)
     tracker = "release" if reading.iteration == -1 else reading.iteration
     say(f"tracker: {tracker if reading.problem is None else reading.problem}")
-    for iteration in layout.published_iterations(root):
-        path = layout.iteration_dir(root, iteration)
+    for iteration in checkpointing.published_iterations(root):
+        path = checkpointing.iteration_dir(root, iteration)
         if os.path.islink(path):  # listed, never followed: verify rejects it
             say(f"  iter_{iteration:07d}  a symlink to {os.readlink(path)}")
             continue
-        manifest, _ = read_manifest(path)
+        manifest, _ = checkpointing.read_manifest(path)
         kind = f"manifest v{manifest.get('version')}" if manifest else "no manifest"
         say(f"  iter_{iteration:07d}  {_size(path)}  {kind}")
-    for path in layout.quarantined(root):
+    for path in checkpointing.quarantined(root):
         reason_file = os.path.join(path, "QUARANTINE_REASON.txt")
         reason = _reason(reason_file) if os.path.lexists(reason_file) else "?"
         say(f"  quarantined {os.path.basename(path)}: {reason}")
-    for kind, paths in layout.leftovers(root).items():
+    for kind, paths in checkpointing.leftovers(root).items():
         for path in paths:
             say(f"  leftover ({kind}) {os.path.basename(path)}: removed at the next start of a run "
                 "that saves here")
@@ -150,14 +144,16 @@ def cmd_verify(tiers: list, iteration: int | None) -> int:
             verdict = f"FAILED: {reason}"
         elif candidate.tier == "local":
             verdict = "ok (every rank's shard has a copy matching its owner's checksum)"
-        elif has_manifest(candidate.path):
-            also = ", SHA-256s Megatron-LM's integrity.json" if has_integrity_manifest(candidate.path) else ""
+        elif checkpointing.has_manifest(candidate.path):
+            also = ", SHA-256s Megatron-LM's integrity.json" \
+                if checkpointing.has_integrity_manifest(candidate.path) else ""
             verdict = f"ok (sizes and checksums match the manifest{also})"
-        elif has_integrity_manifest(candidate.path):
+        elif checkpointing.has_integrity_manifest(candidate.path):
             verdict = "ok (no manifest; SHA-256s match Megatron-LM's integrity.json)"
         else:
             verdict = "ok (no manifest: its files read through the allow-list, no checksums)" \
-                if is_torch_checkpoint(candidate.path) else "ok (no manifest: presence of .metadata only)"
+                if checkpointing.is_torch_checkpoint(candidate.path) else \
+                "ok (no manifest: presence of .metadata only)"
         failed += reason is not None
         say(f"{candidate.tier} iteration {candidate.iteration}: {verdict}")
     return 1 if failed else 0

@@ -5,7 +5,8 @@
         [--restart-secs S] [--out PNG]
 
 1. Accounting, per attempt (attempts as in tools/timeline.py) and in total:
-   - restart and load: for an attempt with a `restart_phases` record (megatron_resil/restart_phases.py),
+   - restart and load: for an attempt with a `restart_phases` record
+     (megatron_resil/resilience/restart_phases.py),
      from the fault (the previous attempt's last event if the fault came later) to the end of the
      attempt's first iteration, split into phases: detection, teardown, spawn, imports, rendezvous,
      model, checkpoint choice, load, data, first iteration; reported per attempt, in total and as the
@@ -44,8 +45,8 @@ import statistics
 import sys
 from dataclasses import dataclass
 
-from megatron_resil.restart_phases import EVENT as RESTART_PHASES
-from megatron_resil.restart_phases import PHASES
+from megatron_resil.resilience.restart_phases import EVENT as RESTART_PHASES
+from megatron_resil.resilience.restart_phases import PHASES
 from megatron_resil.tools import timeline as tl
 
 # Llama 3's pretraining saw 419 unexpected interruptions in 54 days on 16,384 GPUs (2,048 nodes of 8):

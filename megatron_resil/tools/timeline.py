@@ -24,9 +24,9 @@ What the summary counts:
   subtracted. A planned stop and requeue counts too. Charged to the attempt that got past it; an
   attempt that never did leaves its time to the next one; time after the last new iteration of the log
   is not counted.
-- restart phases: each attempt's `restart_phases` record (megatron_resil/restart_phases.py), from the fault
-  to its first iteration; the summary sums them over the restarts, and the picture draws them as stacked
-  segments in a band along the bottom, one color per phase (tools/goodput.py tabulates them).
+- restart phases: each attempt's `restart_phases` record (megatron_resil/resilience/restart_phases.py), from
+  the fault to its first iteration; the summary sums them over the restarts, and the picture draws them as
+  stacked segments in a band along the bottom, one color per phase (tools/goodput.py tabulates them).
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from megatron_resil.events import EVENT_LOG_NAME
-from megatron_resil.restart_phases import BOUNDARIES, PHASES
-from megatron_resil.restart_phases import EVENT as RESTART_PHASES
+from megatron_resil.resilience.restart_phases import BOUNDARIES, PHASES
+from megatron_resil.resilience.restart_phases import EVENT as RESTART_PHASES
 
 MILESTONES = {"progress", "save_started", "finished", "exit"}
 # Events the summary reports on its own lines; any other name (decisions like cleanup, and events

@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_resil import rank_process
+
 REPO = Path(__file__).resolve().parents[3]
 PRETRAIN = REPO / "pretrain.py"
 BARE_LOOP = REPO / "benchmarks" / "bare_mcore_loop.py"
@@ -53,7 +55,7 @@ class Launcher:
         log_dir.mkdir(parents=True, exist_ok=True)
 
     def command(self, args: list[str], script: Path = PRETRAIN, wrapper: tuple[str, ...] = ()) -> list[str]:
-        """`wrapper`: what runs torchrun (a standby: `python -m megatron_resil.standby --`)."""
+        """`wrapper`: what runs torchrun (a standby: `python -m megatron_resil.launch.standby --`)."""
         return [*wrapper, sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
                 "--nproc-per-node", "1", str(script), *args]
 
@@ -91,33 +93,12 @@ def python_probe(env: dict[str, str], code: str, timeout: float = 120.0) -> dict
 
 
 # ---- killing a run ---------------------------------------------------------------------------------
-def _process_table() -> dict[int, tuple[int, int, str]]:
-    """pid -> (parent pid, process group, state)."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()
-        table[int(entry)] = (int(fields[1]), int(fields[2]), fields[0])
-    return table
-
-
 def _groups_of_tree(root: int) -> set[int]:
     """Process groups of `root` and its descendants: torchrun starts its rank in a session of its own, and
     the rank's async writer lives in the rank's group."""
-    table = _process_table()
-    tree, grew = {root}, True
-    while grew:
-        new = {pid for pid, (ppid, _, _) in table.items() if ppid in tree and pid not in tree}
-        tree |= new
-        grew = bool(new)
-    own = os.getpgrp()
-    return {table[pid][1] for pid in tree if pid in table} - {own, 0, 1}
+    table = rank_process.processes()
+    tree = {root} | rank_process.descendants_of(root)
+    return {table[pid].group for pid in tree if pid in table} - {os.getpgrp(), 0, 1}
 
 
 def kill_tree(proc: subprocess.Popen, timeout: float = 30.0) -> None:
@@ -134,8 +115,8 @@ def kill_tree(proc: subprocess.Popen, timeout: float = 30.0) -> None:
             proc.wait(timeout=0.2)
         except subprocess.TimeoutExpired:
             pass
-        alive = [pid for pid, (_, group, state) in _process_table().items()
-                 if group in groups and state not in ("Z", "X")]
+        alive = [pid for pid, stat in rank_process.processes().items()
+                 if stat.group in groups and stat.state not in ("Z", "X")]
         if not alive or time.monotonic() > deadline:
             return
 

@@ -228,7 +228,7 @@ def standby(check: Check) -> tuple[dict, str]:
         raise Skipped("needs CUDA")  # on CPU: tests/test_standby_warmup.py
     save = check.fresh_dir("standby")
     run = check.run("standby", _base_args(check, save),
-                    wrapper=(sys.executable, "-m", "megatron_resil.standby", "--"))
+                    wrapper=(sys.executable, "-m", "megatron_resil.launch.standby", "--"))
     require_exit_0(run)
     if "[resil] standby: megatron-core imported ahead" not in run.output:
         raise Failed(f"the standby did not import megatron-core ahead; log tail: {run.tail(600)}")

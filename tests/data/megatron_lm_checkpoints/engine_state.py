@@ -98,8 +98,9 @@ def main() -> int:
 
     args = parse_args(flags)
     patches.install(args)  # before megatron-core is imported, as pretrain.py installs them
-    from megatron_resil import parallel, rerun
+    from megatron_resil import parallel
     from megatron_resil.checkpointing.manager import CheckpointConfig, CheckpointManager
+    from megatron_resil.resilience import rerun
     from megatron_resil.tokenizer import build_tokenizer
     from megatron_resil.training import build_engine
 

@@ -84,9 +84,10 @@ def main() -> int:
     from megatron.core import package_info
     from megatron.training import checkpointing
 
-    from megatron_resil import parallel, rerun
+    from megatron_resil import parallel
     from megatron_resil.checkpointing.manager import CheckpointConfig, CheckpointManager
     from megatron_resil.patches import megatron_core_cpu
+    from megatron_resil.resilience import rerun
     from megatron_resil.tokenizer import build_tokenizer
     from megatron_resil.training import build_engine
 

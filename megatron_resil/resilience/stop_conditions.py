@@ -11,7 +11,8 @@ import argparse
 import time
 from dataclasses import dataclass
 
-from megatron_resil import exit_codes, parallel, restart_phases, signal_handler, standby
+from megatron_resil import exit_codes, parallel, rank_process
+from megatron_resil.resilience import signal_handler
 
 
 def _process_start() -> float:
@@ -19,7 +20,7 @@ def _process_start() -> float:
     it, as Megatron's does from its process's start: an in-process restart does not get a fresh budget
     (the allocation's end does not move), and a rank forked from a standby, which may have imported this
     module long before, counts from its client's start."""
-    started = restart_phases.process_started_unix(standby.launched_pid())
+    started = rank_process.started_unix(rank_process.launched_pid())
     now = time.monotonic()
     return now if started is None else now - max(0.0, time.time() - started)
 

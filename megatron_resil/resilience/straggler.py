@@ -30,7 +30,7 @@ import torch
 
 from megatron_resil import events, exit_codes, parallel
 from megatron_resil.optimizer import before_grad_finalize
-from megatron_resil.stop_conditions import Stop
+from megatron_resil.resilience.stop_conditions import Stop
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.rerun_state_machine import RerunMode, get_rerun_state_machine
 
-from megatron_resil import events, exit_codes, parallel, rerun
+from megatron_resil import events, exit_codes, parallel
+from megatron_resil.resilience import rerun
 
 VERDICT = "weights-differ"  # the `verdict` of the `rerun` event
 

@@ -15,7 +15,7 @@ What is bound to a process is not done ahead: the fork hook that arms each rank'
 (`Patch.per_process`) is installed by each worker, and the `--exit-duration-in-mins` budget counts from
 the start of the process the launcher started, not from this import (stop_conditions.py).
 
-`python -m megatron_resil.standby --torch-only` keeps the standby to torch, as before.
+`python -m megatron_resil.launch.standby --torch-only` keeps the standby to torch, as before.
 """
 
 from __future__ import annotations
@@ -116,10 +116,11 @@ def _parse(request: dict) -> tuple:
     pretrain.py refuses. Both as the rank: the records' conditions ask about CUDA too."""
     from megatron_resil import patches
     from megatron_resil.arguments import parse_args
+    from megatron_resil.checkpointing import take_from_checkpoint
 
     try:
         with _as_the_rank(request):
-            args = parse_args()
+            args = parse_args(saved_args=take_from_checkpoint)  # as pretrain.py parses
             return args, patches.wanted_ahead(args)
     except (SystemExit, Exception):  # noqa: BLE001 - refused arguments, or a bug: the worker, forked as
         return None, None  # it would be without a standby, says which (the standby must serve on)

@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_resil import events, exit_codes, parallel
-from megatron_resil.patches import nvrx as nvrx_patches
 
 with warnings.catch_warnings():  # NVRx's pynvml deprecation warning is noise on every rank
     warnings.simplefilter("ignore")
@@ -48,6 +47,10 @@ _WRAPPER_STORE_TIMEOUT = datetime.timedelta(seconds=300)
 _CUDA_STEP_TIMEOUT = datetime.timedelta(seconds=10)
 _MESSAGE_CHARS = 500  # of an exception's message, in the restart line
 _EXIT_RECORDED = "exit_recorded"
+# NVRx's GPU health checks the Wrapper built in this process runs no more before a restart: on a host
+# without CUDA the patch that leaves them out (patches/nvrx.py) names them here as the Wrapper is built;
+# none with CUDA, or with an NVRx that has none.
+gpu_health_checks_left_out: tuple[str, ...] = ()
 _EXIT_RECORD_TIMEOUT = datetime.timedelta(seconds=60)
 
 
@@ -61,8 +64,7 @@ def run(pretrain: Callable[[argparse.Namespace], int], args: argparse.Namespace)
                           wait_for_workers=True)
     attempts = Attempts(pretrain, args, store)
     wrapper = _wrapper(args, port, attempts)
-    # Without CUDA, NVRx's own GPU checks before a restart are left out of the wrapper (patches/nvrx.py).
-    attempts.health_checks_left_out = nvrx_patches.gpu_health_checks_left_out()
+    attempts.health_checks_left_out = gpu_health_checks_left_out
     wrapped = wrapper(attempts.run)
     try:
         return wrapped()

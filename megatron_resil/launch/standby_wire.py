@@ -18,7 +18,7 @@ import socket
 import struct
 import time
 
-from megatron_resil import standby_settings
+from megatron_resil.launch import standby_settings
 
 HEADER = struct.Struct("!I")
 # A request is a few KiB to a few hundred (the environment and command line: Linux allows them 6 MiB at

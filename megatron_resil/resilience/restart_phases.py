@@ -43,7 +43,7 @@ import socket
 import stat
 import time
 
-from megatron_resil import events, standby
+from megatron_resil import events, phase_marks, rank_process
 
 PHASES = ("detection", "teardown", "spawn", "imports", "rendezvous", "model", "checkpoint_choice", "load",
           "data", "first_iteration")
@@ -63,38 +63,17 @@ _LAUNCHER_LINE_HOST = re.compile(
     r"^(?:\S+: )?(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) \[\w+\] \[([^\]]*)\] "
     r"\[workload:\S* infra:([^(\]]*)\([^)]*\)\] \S+:\d+ (.*)$", re.MULTILINE)
 
-_process_marks: dict[str, float] = {}  # once per process: when the interpreter reached our code
-_marks: dict[str, float] = {}  # this attempt's boundaries
 _attempts_in_process = 0
 _recorded = True  # nothing to record before an attempt starts
-
-
-def mark(name: str) -> None:
-    """This attempt reached boundary `name` now (every rank; a dict write)."""
-    _marks[name] = time.time()
-
-
-def interpreter_started() -> None:
-    """The interpreter reached our code (pretrain.py's first lines): a detail of the imports phase."""
-    _process_marks.setdefault("interpreter", time.time())
-
-
-def process_marks() -> dict[str, float]:
-    return dict(_process_marks)
-
-
-def adopt_process_marks(marks: dict[str, float]) -> None:
-    """A standby worker: its client's marks (its interpreter is the one the launcher started)."""
-    _process_marks.update(marks)
 
 
 def attempt_started() -> None:
     """pretrain() entered: a new attempt's marks begin."""
     global _attempts_in_process, _recorded
     _attempts_in_process += 1
-    _marks.clear()
+    phase_marks.new_attempt()
     _recorded = False
-    mark("imported")
+    phase_marks.mark("imported")
 
 
 def iteration_taken() -> None:
@@ -103,10 +82,8 @@ def iteration_taken() -> None:
     if _recorded:
         return
     _recorded = True
-    mark("first_iteration")
-    from megatron_resil import parallel  # imported by the trainer already; not by the tools
-
-    if events.log_path() is None or not parallel.is_rank0():
+    phase_marks.mark("first_iteration")
+    if events.log_path() is None or not rank_process.is_rank0():
         return
     try:
         record = measure()
@@ -120,19 +97,21 @@ def iteration_taken() -> None:
 
 def measure() -> dict:
     """The record for this attempt, from its marks, the event log, /proc and the launcher's log."""
-    marks = {name: None for name in BOUNDARIES} | dict(_marks)
+    marks = {name: None for name in BOUNDARIES} | phase_marks.attempt_marks()
     details: dict[str, float | str | None] = {}
     first_in_process = _attempts_in_process == 1
     if first_in_process:
-        marks["spawned"] = process_started_unix(standby.launched_pid())  # the launcher's, not a fork
-        details["interpreter"] = _process_marks.get("interpreter")
-        details["standby"] = standby.in_worker()
+        # the process the launcher started, not a fork of a standby
+        marks["spawned"] = rank_process.started_unix(rank_process.launched_pid())
+        details["interpreter"] = phase_marks.process_marks().get("interpreter")
+        details["standby"] = rank_process.in_standby_worker()
         from megatron_resil import patches  # (imports nothing new: pretrain.py installed them)
 
         # whether that standby had megatron-core imported, with this run's patches (standby_warmup.py)
         details["megatron_core_ahead"] = patches.imported_ahead()
-    launcher = standby.launcher_pid() if "TORCHELASTIC_RUN_ID" in os.environ and first_in_process else None
-    launcher_started = process_started_unix(launcher) if launcher else None
+    under_launcher = "TORCHELASTIC_RUN_ID" in os.environ and first_in_process
+    launcher = rank_process.launcher_pid() if under_launcher else None
+    launcher_started = rank_process.started_unix(launcher) if launcher else None
     details["launcher_started"] = launcher_started
     previous = previous_attempt(events.log_path())
     if previous is None:
@@ -195,19 +174,6 @@ def phases_between(marks: dict) -> dict[str, float | None]:
     for here, there in zip(known, known[1:], strict=False):
         phases[PHASES[here]] = round(marks[BOUNDARIES[there]] - marks[BOUNDARIES[here]], 3)
     return phases
-
-
-def process_started_unix(pid: int | str = "self") -> float | None:
-    """When process `pid` was created, as a Unix time (10 ms resolution); None if /proc cannot say."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-        now = time.time()
-        return now - uptime + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: start, ticks since boot
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def _tail_lines(path: str) -> list[str]:

@@ -21,10 +21,11 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
-from megatron_resil import events, exit_codes, parallel, rerun
+from megatron_resil import events, exit_codes, parallel
 from megatron_resil.checkpointing.atomic import atomic_write_text
 from megatron_resil.progress import TrainProgress
-from megatron_resil.rerun import RerunStop
+from megatron_resil.resilience import rerun
+from megatron_resil.resilience.rerun import RerunStop
 
 LEDGER_NAME = "rerun_escape.json"
 

@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from megatron_resil import events, exit_codes, standby
+from megatron_resil import events, exit_codes, rank_process
 
 POLL_SECS = 0.5
 
@@ -38,21 +38,28 @@ def watch() -> None:
     global _launcher
     if "TORCHELASTIC_RUN_ID" not in os.environ or _launcher is not None:
         return
-    _launcher = standby.launcher_pid()  # a standby worker's is its client's
+    _launcher = rank_process.launcher_pid()  # a standby worker's is its client's
     threading.Thread(target=_watch, name="launcher-watch", daemon=True).start()
+
+
+def launcher_alive() -> bool:
+    """False once the launcher this rank watches is gone, though the watch thread may not have noticed
+    yet: the checkpointer asks before it publishes a save (GlobalTier's `may_publish`)."""
+    return _launcher is None or rank_process.launcher_pid() == _launcher
 
 
 def stop_if_orphaned() -> None:
     """For the main thread's error path: a rank whose peer noticed first fails in a collective before
-    its own watch does; the launcher's death is the cause to report, not that error."""
-    if _launcher is not None and standby.launcher_pid() != _launcher:
+    its own watch does, and a save finished after the launcher died is withheld (PublishWithheld); the
+    launcher's death is the cause to report, not that error."""
+    if not launcher_alive():
         _stop()
 
 
 def _watch() -> None:
     global _forks
     polls = 0
-    while standby.launcher_pid() == _launcher:
+    while rank_process.launcher_pid() == _launcher:
         if polls % 20 == 0:  # every 10 s: rank monitors are restarted with the workers
             _forks = _forks_of(_launcher) or _forks
         polls += 1
@@ -70,7 +77,7 @@ def _stop() -> None:
         events.print_rank_0(f"[resil] exit: {message}")
     except OSError:
         pass
-    for pid in _forks | _children_of(os.getpid()):  # the launcher's rank monitors, our writers
+    for pid in _forks | rank_process.children_of(os.getpid()):  # the launcher's rank monitors, our writers
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:
@@ -86,7 +93,7 @@ def _forks_of(launcher: int) -> set[int]:
     except OSError:
         return set()
     found = set()
-    for pid in _children_of(launcher) - {standby.launched_pid()}:
+    for pid in rank_process.children_of(launcher) - {rank_process.launched_pid()}:
         try:
             if Path(f"/proc/{pid}/cmdline").read_bytes() == command:
                 found.add(pid)
@@ -94,15 +101,3 @@ def _forks_of(launcher: int) -> set[int]:
             continue
     return found
 
-
-def _children_of(parent: int) -> set[int]:
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
-                found.add(int(entry.name))
-        except (OSError, ValueError, IndexError):
-            continue
-    return found
