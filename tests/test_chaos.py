@@ -85,10 +85,10 @@ def _processes_of(save: Path) -> dict[str, list[int]]:
         try:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
             environ = (entry / "environ").read_bytes()
-            found = launch.proc_stat(int(entry.name))
+            stat = launch.proc_stat(int(entry.name))
         except OSError:
             continue
-        if needle not in argv or found is None or found.state == "Z":
+        if needle not in argv or stat is None or stat.state == "Z":
             continue
         if any(b"fault_tolerance.launcher" in a or b"megatron_resil.launch.ft_launcher" in a for a in argv):
             found["launcher"].append(int(entry.name))

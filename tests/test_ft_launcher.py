@@ -140,8 +140,8 @@ def _workers(launcher_pid: int) -> dict[int, int]:
         if not entry.name.isdigit():
             continue
         try:
-            found = launch.proc_stat(int(entry.name))
-            if found is None or found.parent != launcher_pid:
+            stat = launch.proc_stat(int(entry.name))
+            if stat is None or stat.parent != launcher_pid:
                 continue
             environ = dict(kv.split("=", 1) for kv in (entry / "environ").read_text().split("\0")
                            if "=" in kv)

@@ -305,8 +305,8 @@ def _assert_cold(text: str, save: Path) -> None:
 
 def _ancestors(pid: int) -> list[int]:
     found = []
-    while (found := launch.proc_stat(pid)) is not None and found.parent > 1:
-        pid = found.parent
+    while (stat := launch.proc_stat(pid)) is not None and stat.parent > 1:
+        pid = stat.parent
         found.append(pid)
     return found
 
