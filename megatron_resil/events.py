@@ -10,12 +10,14 @@ can write never turns a decision into a traceback.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import socket
 import sys
 import time
+from collections.abc import Iterator
 
 from megatron_resil import rank_process
 
@@ -59,8 +61,23 @@ def _keep_reserve() -> None:
         pass  # no room for it: the run goes on without the reserve
 
 
+_speaks_for_every_rank = False
+
+
+@contextlib.contextmanager
+def speaking_for_every_rank() -> Iterator[None]:
+    """Inside it this process prints and records what rank 0 would: the process chosen to speak where rank
+    0's may be lost (in-process restart's last word, after a reserve took a lost rank's place)."""
+    global _speaks_for_every_rank
+    _speaks_for_every_rank = True
+    try:
+        yield
+    finally:
+        _speaks_for_every_rank = False
+
+
 def _is_rank0() -> bool:
-    return rank_process.is_rank0()
+    return _speaks_for_every_rank or rank_process.is_rank0()
 
 
 def escape_untrusted(text) -> str:

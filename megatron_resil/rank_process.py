@@ -18,6 +18,11 @@ import sys
 import time
 from typing import NamedTuple
 
+# Set by our ft_launcher (launch/ft_launcher.py) for its workers under in-process restart: host:port of its
+# rendezvous store, where the workers keep their stores rather than on rank 0
+# (resilience/inprocess_restart.py).
+AGENT_STORE_ENV = "MEGATRON_RESIL_AGENT_STORE"
+
 # In a worker forked from a standby: the pid of the process the launcher started (its client).
 _client: int | None = None
 

@@ -137,7 +137,7 @@ def test_flags_have_megatrons_defaults(tmp_path):
     (("--inprocess-heartbeat-interval", "60"), ("--inprocess-heartbeat-interval (60)",)),
     (("--inprocess-max-iterations", "0"), ("--inprocess-max-iterations must be >= 1",)),
     (("--inprocess-last-call-wait", "-1"), ("--inprocess-last-call-wait must be >= 0",)),
-    (("--inprocess-active-world-size", "1"), ("--inprocess-active-world-size 1", "world size (2)")),
+    (("--inprocess-active-world-size", "3"), ("--inprocess-active-world-size 3", "world size (2)")),
 ])
 def test_bad_inprocess_flags_end_in_one_line_and_exit_2(tmp_path, capsys, extra, names):
     with pytest.raises(SystemExit) as exc:

@@ -95,6 +95,7 @@ def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None,
             raise ArgumentError("--use-checkpoint-args is read by pretrain.py: here no reader of a "
                                 "checkpoint's arguments was given (parse_args' saved_args)")
         flag_table.screen(args, FLAGS, cuda_available())
+        world_size = inprocess.training_world_size(args, world_size)  # warm reserves do not train
         for group in _GROUPS:
             group.validate(args, world_size)
     except ArgumentError as err:

@@ -47,8 +47,8 @@ FLAGS = (
     Flag("--inprocess-granularity", "node", str, choices=("node", "rank"),
          help="node: a lost rank takes its whole node out of the job; rank: only itself"),
     Flag("--inprocess-active-world-size", None, int,
-         "ranks that train (the rest would be a warm reserve; only the whole world size is supported). "
-         "Default: the world size"),
+         "ranks that train; the rest of the world wait as warm reserves (imports done), and one takes the "
+         "place of a rank whose process is lost, at the next in-process restart. Default: the world size"),
     Flag("--inprocess-empty-cuda-cache",
          help="release cached GPU memory between attempts (nothing to do on CPU)"),
 )
@@ -68,7 +68,20 @@ def _flag(name: str) -> str:
     return "--inprocess-" + name.replace("_", "-")
 
 
+def training_world_size(args: argparse.Namespace, launcher_world_size: int) -> int:
+    """The ranks that train: the launcher's world less the warm reserves. Every size the other flag groups
+    derive (data-parallel size, batch split) is of this world, as NVRx's Wrapper sets WORLD_SIZE to it."""
+    active = args.inprocess_active_world_size
+    if active is None or not args.inprocess_restart:
+        return launcher_world_size
+    if not 1 <= active <= launcher_world_size:
+        raise ArgumentError(f"--inprocess-active-world-size {active}: give at least 1 and at most the world "
+                            f"size ({launcher_world_size}); the ranks beyond it wait as warm reserves")
+    return active
+
+
 def validate(args: argparse.Namespace, world_size: int) -> None:
+    """`world_size`: the training world (training_world_size)."""
     if args.inprocess_active_world_size is None:
         args.inprocess_active_world_size = world_size
     if not args.inprocess_restart:
@@ -95,9 +108,6 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
                                 f"({value[larger]:g}); NVRx needs soft timeout < hard timeout < barrier "
                                 "timeout, heartbeat interval < heartbeat timeout < barrier timeout, and "
                                 "every interval below the soft timeout")
-    if args.inprocess_active_world_size != world_size:
-        raise ArgumentError(f"--inprocess-active-world-size {args.inprocess_active_world_size}: warm reserve "
-                            f"ranks are not supported; leave it at the world size ({world_size})")
     if args.enable_ft_package:
         raise ArgumentError("--inprocess-restart with --enable-ft-package is not supported: Megatron nests "
                             "the in-process restarter inside ft_launcher's, which is not wired here; use one "

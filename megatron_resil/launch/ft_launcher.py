@@ -14,13 +14,20 @@ NVRx 0.4.1 hard-codes the defaults; with either key given, this installs the one
 its rendezvous read them (patches/nvrx.py), in this process only, then runs NVRx's launcher `main` with the
 same arguments. NVRx 0.5 and later (its barrier rendezvous) drop no node by heartbeat: the keys change
 nothing there, which one line says. Without the keys nothing is installed and nothing is said. Bad values:
-one line and exit code 2. The `ft_launcher` command keeps NVRx's behaviour as it always had."""
+one line and exit code 2. The `ft_launcher` command keeps NVRx's behaviour as it always had.
+
+With `--inprocess-restart` among the training script's arguments, two more things, for warm reserves to take
+a lost rank's place: the agent does not end the other workers when one is killed (the patch record
+"ft_launcher leaves a lost rank's survivors to in-process restart"), and the workers are told the
+rendezvous store's address (MEGATRON_RESIL_AGENT_STORE), to keep their stores there rather than on rank 0."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 from megatron_resil import exit_codes
+from megatron_resil.rank_process import AGENT_STORE_ENV
 
 
 def _rdzv_conf(argv: list[str]) -> dict[str, str]:
@@ -54,6 +61,18 @@ def keep_alive(argv: list[str]) -> dict[str, int]:
     return found
 
 
+def _under_inprocess_restart(argv: list[str]) -> str | None:
+    """With --inprocess-restart among the script's arguments: the rendezvous store's host:port to give the
+    workers for their stores ("" where there is none to give), else None."""
+    from nvidia_resiliency_ext.fault_tolerance import launcher
+
+    parsed = launcher.parse_args(argv)
+    if "--inprocess-restart" not in (parsed.training_script_args or []):
+        return None
+    host, _, port = (parsed.rdzv_endpoint or "").rpartition(":")
+    return f"{host}:{port}" if parsed.rdzv_backend == "c10d" and host and port.isdigit() else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
@@ -61,6 +80,17 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(err, file=sys.stderr, flush=True)
         return exit_codes.BAD_ARGUMENTS
+    agent_store = _under_inprocess_restart(argv)
+    if agent_store is not None:
+        from megatron_resil import patches
+        from megatron_resil.patches import nvrx
+
+        try:
+            patches.install(only=(nvrx.KEEP_SURVIVORS,))
+        except patches.UpstreamMismatch as mismatch:
+            return mismatch.code
+        if agent_store:  # the workers host no store: the loss of any rank, rank 0's included, leaves them up
+            os.environ[AGENT_STORE_ENV] = agent_store
     if asked:
         from megatron_resil import patches
         from megatron_resil.patches import nvrx

@@ -9,7 +9,9 @@ later run GPU health checks of their own before every restart, which cannot run 
 One record replaces something, in ft_launcher's process only (`python -m megatron_resil.launch.ft_launcher`
 installs it by name; pretrain.py never does): NVRx 0.4.1's rendezvous hard-codes torch's keep-alive (a
 heartbeat every 5 s, a node dropped after 3 missed), where torch's own c10d rendezvous reads
-`--rdzv-conf keep_alive_interval=S,keep_alive_max_attempt=N`. The record makes NVRx read the same keys."""
+`--rdzv-conf keep_alive_interval=S,keep_alive_max_attempt=N`. The record makes NVRx read the same keys.
+Another, in ft_launcher's process too, under in-process restart: a rank killed while the others run does not
+make the agent end them (a warm reserve takes its place)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import argparse
 import functools
 import sys
 
-from megatron_resil.patches.registry import Has, Patch, Says, Takes, _source_on_disk
+from megatron_resil.patches.registry import AnyOf, Has, Patch, Says, Takes, _source_on_disk
 
 PACKAGE = "nvidia-resiliency-ext"
 WRITTEN_FOR = ">=0.4.1,<0.8"
@@ -93,6 +95,48 @@ def _keep_alive_from_rdzv_conf() -> None:
         return handler
 
     rdzv.create_handler = create_handler_with_keep_alive
+
+
+# ---- ft_launcher under in-process restart: a lost rank's survivors go on ------------------------------
+
+KEEP_SURVIVORS = "ft_launcher leaves a lost rank's survivors to in-process restart"
+_AGENT = f"{_FT}.launcher:LocalElasticAgent"
+_SUBPROCESSES = "torch.distributed.elastic.multiprocessing.api:SubprocessContext"
+_ELASTIC_COPY = f"{_FT}._torch_elastic_compat"
+
+
+def _keep_survivors_of_a_lost_rank() -> None:
+    from nvidia_resiliency_ext.fault_tolerance import launcher
+
+    RunResult, WorkerState = launcher.RunResult, launcher.WorkerState  # noqa: N806 - 0.4.1 has its own copy
+    monitor_workers = launcher.LocalElasticAgent._monitor_workers
+    left: dict[int, int] = {}  # pid of a worker that died while others ran -> its exit code (-signal)
+
+    @functools.wraps(monitor_workers)
+    def monitor_leaving_survivors(self, worker_group):
+        result = monitor_workers(self, worker_group)
+        if result.state is not WorkerState.UNHEALTHY:  # all well, all done, or all failed: NVRx decides
+            return result
+        running = [h.proc.pid for h in self._pcontext.subprocess_handlers.values() if h.proc.poll() is None]
+        for global_rank, failure in result.failures.items():
+            if failure.pid in left or failure.exitcode >= 0 or not running:
+                continue
+            # Killed by a signal while the others train: in-process restart puts a warm reserve in its
+            # place, or ends every rank (exit code 8) when none is left; the agent's restart follows that.
+            left[failure.pid] = failure.exitcode
+            print(f"[resil] ft_launcher: rank {global_rank} (pid {failure.pid}) was killed (exit code "
+                  f"{failure.exitcode}); --inprocess-restart: the other {len(running)} rank processes go on, "
+                  "and a warm reserve takes its place or the in-process restarts end", file=sys.stderr,
+                  flush=True)
+        if any(f.pid not in left for f in result.failures.values()):
+            return result  # a rank that failed otherwise: the agent's own decision
+        if running:
+            return RunResult(state=WorkerState.HEALTHY)
+        # Every other rank finished (exit code 0) after the lost ones: the run succeeded without them.
+        return RunResult(state=WorkerState.SUCCEEDED,
+                         return_values={w.global_rank: None for w in worker_group.workers})
+
+    launcher.LocalElasticAgent._monitor_workers = monitor_leaving_survivors
 
 
 # ---- NVRx's own GPU health checks before an in-process restart, on a host without CUDA -----------------
@@ -244,6 +288,32 @@ PATCHES = (
         checks=(Takes(f"{_LOCAL}.replication.strategies:CliqueReplicationStrategy.replicate",
                       ("self", "local_ckpt", "id_")),),
         when=_async_replication,
+    ),
+    Patch(
+        name=KEEP_SURVIVORS,
+        package=PACKAGE, written_for=WRITTEN_FOR,
+        target=f"{_AGENT}._monitor_workers",
+        why="ft_launcher's agent ends every worker of its node when one has died (any-failed, and "
+            "min-healthy with one agent), so under in-process restart a warm reserve never gets to take a "
+            "lost rank's place: its survivors are gone with it. With --inprocess-restart among the script's "
+            "arguments, megatron_resil.launch.ft_launcher installs this in its own process: a worker killed "
+            "by a signal while others run is left to the in-process layer, which replaces it or ends every "
+            "rank",
+        checks=(
+            Takes(f"{_AGENT}._monitor_workers", ("self", "worker_group")),
+            # NVRx leaves the survivors running when it reports a failure; the agent's loop stops them
+            Says(f"{_AGENT}._monitor_workers", "patched_method(self._pcontext, 'close'"),
+            Says(f"{_AGENT}._monitor_workers", "state=WorkerState.UNHEALTHY"),
+            # NVRx 0.4.1 carries its own copy of torch's elastic agent; 0.5 and later use torch's
+            Has(f"{_FT}.launcher:RunResult"), Has(f"{_FT}.launcher:WorkerState.UNHEALTHY"),
+            Says(f"{_AGENT}._start_workers", "self._pcontext = start_processes("),
+            AnyOf((Says(f"{_ELASTIC_COPY}.multiprocessing.api:SubprocessContext", "self.subprocess_handlers"),
+                   Says(_SUBPROCESSES, "self.subprocess_handlers"))),
+            AnyOf((Says(f"{_ELASTIC_COPY}.multiprocessing.errors:ProcessFailure", "exitcode: int"),
+                   Says("torch.distributed.elastic.multiprocessing.errors:ProcessFailure", "exitcode: int"))),
+        ),
+        apply=_keep_survivors_of_a_lost_rank,
+        when=_launcher_only,
     ),
     Patch(
         name=KEEP_ALIVE,

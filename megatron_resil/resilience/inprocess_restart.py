@@ -3,6 +3,11 @@ timeout) restarts training on every rank inside the same processes, through NVRx
 attempt is a whole `training.pretrain(args)` from scratch: process groups on a fresh store namespace, the
 model built, the newest checkpoint loaded by the usual loader.
 
+Warm reserves (--inprocess-active-world-size below the world size) wait in NVRx's Wrapper with their
+imports done; when a rank's process is lost, one takes its place at the next attempt. For that loss not to
+end the job, no rank hosts the stores: under our ft_launcher (launch/ft_launcher.py, which the launch
+scripts run) both live in the launcher's rendezvous store, in a namespace of this worker group's own.
+
 What NVRx leaves to the application is done here: the store each attempt starts torch.distributed from,
 the teardown between attempts (on gloo, which has no abort, the failed attempt's process groups must be
 dropped for a peer blocked in a collective to be released), stopping the failed attempt's checkpoint
@@ -16,6 +21,7 @@ import argparse
 import contextlib
 import copy
 import datetime
+import gc
 import json
 import multiprocessing
 import os
@@ -31,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_resil import events, exit_codes, parallel
+from megatron_resil.rank_process import AGENT_STORE_ENV
 
 with warnings.catch_warnings():  # NVRx's pynvml deprecation warning is noise on every rank
     warnings.simplefilter("ignore")
@@ -39,14 +46,15 @@ with warnings.catch_warnings():  # NVRx's pynvml deprecation warning is noise on
     from nvidia_resiliency_ext.inprocess.exception import RestartAbort
     from nvidia_resiliency_ext.inprocess.store import PrefixStore as WrapperPrefixStore
 
-# Megatron's ports: torch.distributed's store on MASTER_PORT + 1, the wrapper's own on MASTER_PORT + 2.
-# MASTER_PORT itself is the launcher's (torchrun's agent hosts a store there).
+# Without it, Megatron's ports, hosted by rank 0: torch.distributed's store on MASTER_PORT + 1, the
+# wrapper's own on MASTER_PORT + 2. MASTER_PORT itself is the launcher's.
 _DIST_STORE_PORT_OFFSET = 1
 _WRAPPER_STORE_PORT_OFFSET = 2
 _WRAPPER_STORE_TIMEOUT = datetime.timedelta(seconds=300)
 _CUDA_STEP_TIMEOUT = datetime.timedelta(seconds=10)
 _MESSAGE_CHARS = 500  # of an exception's message, in the restart line
 _EXIT_RECORDED = "exit_recorded"
+_EXIT_WRITER = "exit_writer"
 # NVRx's GPU health checks the Wrapper built in this process runs no more before a restart: on a host
 # without CUDA the patch that leaves them out (patches/nvrx.py) names them here as the Wrapper is built;
 # none with CUDA, or with an NVRx that has none.
@@ -57,15 +65,19 @@ _EXIT_RECORD_TIMEOUT = datetime.timedelta(seconds=60)
 def run(pretrain: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     """`pretrain(args)` under in-process restart; returns the process's exit code."""
     addr, port, rank, world_size = _launcher_env()
-    # One store for every attempt's torch.distributed, hosted by rank 0 and kept for the life of the
-    # processes; each attempt works in a namespace of its own (parallel.attempt_store).
-    store = dist.TCPStore(addr, port + _DIST_STORE_PORT_OFFSET, world_size, is_master=rank == 0,
-                          timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
-                          wait_for_workers=True)
-    attempts = Attempts(pretrain, args, store)
-    wrapper = _wrapper(args, port, attempts)
+    timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
+    stores = _stores(addr, port, rank, world_size, timeout)
+    attempts = Attempts(pretrain, args, stores.dist)
+    attempts.launcher_world_size = world_size
+    attempts.stores_hosted = stores.hosted
+    wrapper = _wrapper(args, stores, attempts)
     attempts.health_checks_left_out = gpu_health_checks_left_out
     wrapped = wrapper(attempts.run)
+    # What the imports made lives as long as the process: out of the collector's sight, a restart's
+    # collection takes milliseconds, not the second or more that pauses every thread (NVRx collects
+    # after each rank assignment; a long pause can make a healthy rank miss its heartbeats).
+    gc.collect()
+    gc.freeze()
     try:
         return wrapped()
     except RestartAbort as err:  # NVRx's "no more attempts", raised on every rank
@@ -83,7 +95,57 @@ def _launcher_env() -> tuple[str, int, int, int]:
         sys.exit(exit_codes.BAD_ARGUMENTS)
 
 
-def _wrapper(args: argparse.Namespace, master_port: int, attempts: "Attempts") -> inprocess.Wrapper:
+@dataclass(frozen=True)
+class Stores:
+    """Where every attempt's torch.distributed store and NVRx's own store live."""
+    dist: dist.Store  # one for every attempt; each attempt works in a namespace of its own
+    wrapper_factory: type
+    wrapper_kwargs: dict
+    hosted: str  # by whom, said in the setup line
+
+
+class LauncherHostedStore(WrapperPrefixStore):
+    """NVRx's store for the Wrapper, in a namespace of the launcher's store: no rank is critical to it.
+    NVRx's own TCPStore is hosted by rank 0, whose loss then ends every rank (its monitor threads lose
+    the connection). Built by NVRx in each rank and in each rank's monitor process (a fork)."""
+
+    def __init__(self, host_name: str, port: int, prefix: str, timeout: datetime.timedelta) -> None:
+        client = dist.TCPStore(host_name, port, is_master=False, timeout=timeout, wait_for_workers=False)
+        self.base_store = client
+        dist.PrefixStore.__init__(self, prefix, client)
+
+    @property
+    def critical_ranks(self) -> tuple[int, ...]:
+        return ()
+
+
+def _stores(addr: str, port: int, rank: int, world_size: int, timeout: datetime.timedelta) -> Stores:
+    agent = os.environ.get(AGENT_STORE_ENV, "")
+    host, _, agent_port = agent.rpartition(":")
+    if host and agent_port.isdigit():
+        client = dist.TCPStore(host, int(agent_port), is_master=False, timeout=timeout,
+                               wait_for_workers=False)
+        # The launcher picks MASTER_PORT afresh for each worker group, and every rank of the group has
+        # the same: a namespace no earlier group used, unless the port came round again, which the count
+        # of processes that joined it shows to every rank alike.
+        space = f"megatron_resil/inprocess/{addr}:{port}"
+        if client.add(f"{space}/joined", 1) <= world_size:
+            return Stores(dist.PrefixStore(f"{space}/dist", client), LauncherHostedStore,
+                          {"host_name": host, "port": int(agent_port), "prefix": f"{space}/wrapper",
+                           "timeout": _WRAPPER_STORE_TIMEOUT},
+                          f"by the launcher ({agent}), so the loss of any rank's process, rank 0's included, "
+                          "leaves them up")
+        why = f"an earlier worker group of this launcher used the namespace {space}"
+    else:
+        why = f"{AGENT_STORE_ENV} is not set: not launched by megatron_resil.launch.ft_launcher"
+    store = dist.TCPStore(addr, port + _DIST_STORE_PORT_OFFSET, world_size, is_master=rank == 0,
+                          timeout=timeout, wait_for_workers=True)
+    return Stores(store, inprocess.store.TCPStore,
+                  {"port": port + _WRAPPER_STORE_PORT_OFFSET, "timeout": _WRAPPER_STORE_TIMEOUT},
+                  f"by rank 0 ({why}), so the loss of rank 0's process ends the job")
+
+
+def _wrapper(args: argparse.Namespace, stores: Stores, attempts: "Attempts") -> inprocess.Wrapper:
     """NVRx's Wrapper as Megatron builds it, with what CPU needs: our abort and finalize (NVRx's
     ThreadedFinalize refuses to run without CUDA), and ranks per node from the launcher (Megatron counts
     GPUs, which is 0 on CPU and would activate no rank at all)."""
@@ -100,11 +162,11 @@ def _wrapper(args: argparse.Namespace, master_port: int, attempts: "Attempts") -
         return datetime.timedelta(seconds=getattr(args, f"inprocess_{name}"))
 
     return inprocess.Wrapper(
-        store_kwargs={"port": master_port + _WRAPPER_STORE_PORT_OFFSET, "timeout": _WRAPPER_STORE_TIMEOUT},
+        store_factory=stores.wrapper_factory, store_kwargs=stores.wrapper_kwargs,
         initialize=inprocess.initialize.RetryController(max_iterations=args.inprocess_max_iterations,
                                                         min_world_size=args.inprocess_active_world_size),
         abort=ReleaseProcessGroups(),
-        finalize=BetweenAttempts(attempts, args.inprocess_empty_cuda_cache),
+        finalize=BetweenAttempts(args.inprocess_empty_cuda_cache),
         health_check=(inprocess.health_check.CudaHealthCheck(timeout=_CUDA_STEP_TIMEOUT)
                       if torch.cuda.is_available() else None),
         rank_assignment=inprocess.rank_assignment.Tree(layers=layers),
@@ -140,9 +202,9 @@ class Attempts:
         self.store = store
         self.wrapper_store = None  # NVRx's own store: its record of which ranks failed, and how
         self.started = 0  # attempts begun
-        self.first_pids: list[int] | None = None
-        self.failure: Failure | None = None  # rank 0: why the last attempt ended
         self.health_checks_left_out: tuple[str, ...] = ()  # NVRx's GPU checks, on a host without CUDA
+        self.stores_hosted = ""
+        self.launcher_world_size = int(os.environ.get("WORLD_SIZE", "1"))  # reserves included
 
     def run(self, call_wrapper: inprocess.CallWrapper | None = None) -> int:
         """One attempt. NVRx fills in the parameter annotated with its CallWrapper and checks every
@@ -153,7 +215,6 @@ class Attempts:
         events.configure(self.args.save)  # the log lines below come before pretrain() configures it
         pids = self._pids(attempt)
         if attempt == 0:
-            self.first_pids = pids
             self._log_setup(pids)
         else:
             self._log_restart(attempt, pids)
@@ -173,11 +234,14 @@ class Attempts:
 
     def _pids(self, attempt: int) -> list[int] | None:
         """Every rank's process id in this attempt (on rank 0; None elsewhere)."""
-        world_size = int(os.environ["WORLD_SIZE"])
         self.store.set(f"pid/{attempt}/{parallel.rank()}", str(os.getpid()))
-        if not parallel.is_rank0():
-            return None
-        return [int(p) for p in self.store.multi_get([f"pid/{attempt}/{r}" for r in range(world_size)])]
+        return self._pids_of(attempt) if parallel.is_rank0() else None
+
+    def _pids_of(self, attempt: int) -> list[int]:
+        """Rank 0: each rank's process in `attempt`, which every rank of it has published (the number of
+        ranks is the same in every attempt: a lost one's place is taken, or the restarts end)."""
+        keys = [f"pid/{attempt}/{r}" for r in range(int(os.environ["WORLD_SIZE"]))]
+        return [int(p) for p in self.store.multi_get(keys)]
 
     def _publish_failure(self, attempt: int, err: Exception) -> None:
         """Leave this rank's exception where rank 0 reads it when it reports the restart."""
@@ -186,12 +250,14 @@ class Attempts:
             self.store.set(f"failure/{attempt}/{parallel.rank()}", json.dumps(record))
 
     def collect_failure(self, attempt: int) -> Failure:
-        """Rank 0, between attempts: which ranks ended `attempt` and why. NVRx's interruption records name
+        """Which ranks ended `attempt` and why (read by rank 0 of the next attempt, or by the process that
+        reports the last one). NVRx's interruption records name
         the ranks that failed first (others fail in turn once their peers are gone, within its last-call
         wait); the messages are those the failing ranks published."""
         records = WrapperPrefixStore(attempt, self.wrapper_store).get_interruption_records()
         parts, ranks, first = [], [], None
-        for record in dict.fromkeys(records):  # in order, once each
+        # In order, once each; a lost process first: its peers' errors (a connection reset) follow from it.
+        for record in sorted(dict.fromkeys(records), key=lambda r: r.interruption != Interruption.TERMINATED):
             ranks.append(record.rank)
             key = f"failure/{attempt}/{record.rank}"
             if record.interruption == Interruption.EXCEPTION and self.store.check([key]):
@@ -225,20 +291,30 @@ class Attempts:
         left_out = self.health_checks_left_out
         checks = (f"; NVRx's health checks {', '.join(left_out)} left out of the checks before a restart: "
                   "no CUDA here, and they read the GPU through NVML" if left_out else "")
+        reserves = self.launcher_world_size - a.world_size
+        spare = (f"; {reserves} warm reserve rank{'s' if reserves != 1 else ''} "
+                 "(--inprocess-active-world-size "
+                 f"{a.world_size}) to take the place of a rank whose process is lost" if reserves > 0 else
+                 "; no warm reserve: a rank whose process is lost ends the in-process restarts")
         events.decision("inprocess", "in-process restart on: a failure on any rank restarts training on "
                         "every rank in the same processes, from the newest checkpoint; "
                         f"{self._limit_text()}; soft timeout {a.inprocess_soft_timeout:g} s, hard timeout "
-                        f"{a.inprocess_hard_timeout:g} s{checks}",
-                        pids=pids, max_iterations=a.inprocess_max_iterations,
+                        f"{a.inprocess_hard_timeout:g} s{spare}; stores hosted {self.stores_hosted}{checks}",
+                        pids=pids, max_iterations=a.inprocess_max_iterations, reserves=max(reserves, 0),
                         health_checks_left_out=list(left_out))
 
     def _log_restart(self, attempt: int, pids: list[int] | None) -> None:
         if not parallel.is_rank0():
             return
-        failure = self.failure or Failure("the reason was not recorded", (), None)
+        # Rank 0 of this attempt reads why the last one ended: it may be a reserve that was not in it.
+        failure = self.collect_failure(attempt - 1)
         limit = self.args.inprocess_max_iterations
         bound = f" of at most {limit - 1}" if limit is not None else ""
-        same = "the same processes" if pids == self.first_pids else f"processes {pids}"
+        same = "the same processes" if pids == self._pids_of(0) else f"processes {pids}"
+        taken = [f"the reserve process {new} takes rank {rank}'s place (process {old} is lost)"
+                 for rank, (old, new) in enumerate(zip(self._pids_of(attempt - 1), pids or [], strict=True))
+                 if old != new]
+        same += "".join(f"; {text}" for text in taken)
         since = f" ({time.time() - failure.unix:.1f} s after the failure)" if failure.unix else ""
         events.decision("restart", f"in-process restart {attempt}{bound}: {failure.text}; every rank trains "
                         f"again in {same}, from the newest checkpoint{since}",
@@ -250,19 +326,34 @@ class Attempts:
         """NVRx will not start another attempt: the bound is reached (or too few ranks are left)."""
         events.configure(self.args.save)
         limit = self.args.inprocess_max_iterations
-        last = self.failure.text if self.failure else "unknown"
+        if self.wrapper_store is None:  # a reserve that never trained: a process that did says it
+            with contextlib.suppress(Exception):
+                self.store.wait([_EXIT_RECORDED], _EXIT_RECORD_TIMEOUT)
+            return exit_codes.UNRECOVERABLE
+        try:
+            last = self.collect_failure(self.started - 1).text
+        except Exception:  # noqa: BLE001 - the store is gone with its host
+            last = "unknown"
         if limit is not None and self.started >= limit:
             why = f"all {limit} attempts allowed by --inprocess-max-iterations failed"
         else:
             why = f"NVRx ended in-process restarts after {self.started} attempts ({err})"
         message = f"{why}; the last failure: {last}; exiting with code {exit_codes.UNRECOVERABLE}"
-        if parallel.is_rank0():
-            events.decision("inprocess", message, exit_code=exit_codes.UNRECOVERABLE, attempts=self.started)
-            events.record("exit", message=message, exit_code=exit_codes.UNRECOVERABLE)
-            self.store.set(_EXIT_RECORDED, "1")
+        # One process writes the exit record: the first to get here (rank 0's may be the one lost, and a
+        # reserve that never trained has no rank). The others wait until it is on record, since the
+        # launcher ends every rank as soon as one has exited.
+        try:
+            writes = self.store.add(_EXIT_WRITER, 1) == 1
+        except Exception:  # noqa: BLE001 - the store is gone with its host: each process says it
+            writes = True
+        if writes:
+            with events.speaking_for_every_rank():
+                events.decision("inprocess", message, exit_code=exit_codes.UNRECOVERABLE,
+                                attempts=self.started)
+                events.record("exit", message=message, exit_code=exit_codes.UNRECOVERABLE)
+            with contextlib.suppress(Exception):
+                self.store.set(_EXIT_RECORDED, "1")
         else:
-            # NVRx lets the other ranks leave before rank 0 (it hosts the stores), and torchrun ends every
-            # rank as soon as one has exited: wait until the exit is on record.
             with contextlib.suppress(Exception):
                 self.store.wait([_EXIT_RECORDED], _EXIT_RECORD_TIMEOUT)
         return exit_codes.UNRECOVERABLE
@@ -283,19 +374,17 @@ class ReleaseProcessGroups(inprocess.abort.Abort):
 
 class BetweenAttempts(inprocess.finalize.Finalize):
     """Runs on every rank after the failed attempt has unwound, before the next one: nothing of it may
-    survive into the next attempt, and rank 0 notes why it failed."""
+    survive into the next attempt."""
 
-    def __init__(self, attempts: Attempts, empty_cuda_cache: bool) -> None:
-        self.attempts = attempts
+    def __init__(self, empty_cuda_cache: bool) -> None:
         self.empty_cuda_cache = empty_cuda_cache
 
     def __call__(self, state: inprocess.FrozenState) -> inprocess.FrozenState:
-        parallel.release_process_groups()  # again: the abort may have stopped part way
+        parallel.release_process_groups()  # again: the abort may have stopped part way (it collects)
+        gc.freeze()  # what is left is kept for the process's life (see run)
         _stop_checkpoint_writers()
         if self.empty_cuda_cache and torch.cuda.is_available():
             torch.cuda.empty_cache()
-        if parallel.is_rank0():
-            self.attempts.failure = self.attempts.collect_failure(state.iteration)
         return state
 
 
