@@ -8,6 +8,9 @@ SIGNAL_SAVED = 5  # --exit-signal arrived; a checkpoint was saved; requeue to co
 SIGNAL_DEADLINE = 6  # --exit-signal arrived but the save missed --exit-signal-grace-secs; previous one intact
 UNRECOVERABLE = 8  # a fault reproduced after bounded retries and fallbacks; do not requeue
 LAUNCHER_GONE = 9  # the rank's launcher died (SIGKILL, OOM); the rank stopped without saving; requeue
+# --inprocess-restart lost a rank's process with no warm reserve left to take its place: nothing is wrong
+# with the state, only too few processes are left; the launcher's in-job restart (or a requeue) goes on
+RESERVES_USED_UP = 10
 RERUN_RESUME = 16  # megatron-core's rerun state machine: resume from the checkpoint to disambiguate
 RERUN_FAILED_VALIDATION = 17  # megatron-core's rerun state machine: the result failed validation
 

@@ -9,18 +9,23 @@ no requeue allowed (so only the in-process layer can have saved the run); gloo, 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from megatron_resil import exit_codes
 from megatron_resil.arguments import parse_args
 from megatron_resil.events import EVENT_LOG_NAME
+from megatron_resil.rank_process import descendants_of
 
 try:
     from tests import launch  # tests/ is a package
@@ -45,30 +50,45 @@ def _events(save: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-@pytest.mark.slow
-@pytest.mark.compat
-def test_a_reserve_takes_the_place_of_rank_0_killed_and_the_run_ends_as_if_uninterrupted(tmp_path):
-    save, log = tmp_path / "ckpt", tmp_path / "run.log"
-    env = {**launch.env(standby=False), "NPROC_PER_NODE": "3", "MAX_RESTARTS": "0", "MAX_REQUEUES": "0",
-           "RESIL_PYTHON": sys.executable}
+@contextlib.contextmanager
+def _running(save: Path, log: Path, max_restarts: int) -> Iterator[subprocess.Popen]:
+    """run_local.sh with 3 processes, 2 of them training; on the way out (a failed assertion), it and every
+    process below it are killed: the workers are in sessions of their own."""
+    env = {**launch.env(standby=False), "NPROC_PER_NODE": "3", "MAX_RESTARTS": str(max_restarts),
+           "MAX_REQUEUES": "0", "RESIL_PYTHON": sys.executable}
     with open(log, "w") as out:
         run = subprocess.Popen(["bash", str(RUN_LOCAL), *_args(save, *_INPROCESS)], env=env, cwd=launch.REPO,
                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        # Rank 0 trains past the first checkpoint; then its process (the store host, were ranks hosting
-        # the stores) is killed.
-        while "iteration        6/" not in log.read_text():
-            assert run.poll() is None, log.read_text()[-4000:]
-            time.sleep(0.2)  # polling the log for the event
+        yield run
+    finally:
+        for pid in {run.pid} | descendants_of(run.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        run.wait()
+
+
+def _wait_for(run: subprocess.Popen, log: Path, text: str, after: str | None = None) -> None:
+    """Until `text` is in the log (after the first `after`), polling it: the event, however long it takes."""
+    while text not in (log.read_text() if after is None else log.read_text().partition(after)[2]):
+        assert run.poll() is None, log.read_text()[-4000:]
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+@pytest.mark.compat
+def test_a_reserve_takes_the_place_of_rank_0_killed_and_the_run_ends_as_if_uninterrupted(tmp_path):
+    save, log = tmp_path / "ckpt", tmp_path / "run.log"
+    with _running(save, log, max_restarts=0) as run:
+        # Rank 0 trains past the first checkpoint; then its process (the store host, were ranks hosting the
+        # stores) is killed.
+        _wait_for(run, log, "iteration        6/")
         [setup] = [e for e in _events(save) if e["event"] == "inprocess"]
         assert setup["reserves"] == 1 and len(setup["pids"]) == 2, setup
         assert "stores hosted by the launcher" in setup["message"], setup["message"]
         lost = setup["pids"][0]
         os.kill(lost, signal.SIGKILL)
         code = run.wait(timeout=600)
-    finally:
-        if run.poll() is None:
-            os.killpg(run.pid, signal.SIGKILL)
     out = log.read_text()
     assert code == 0, out[-6000:]
 
@@ -95,6 +115,37 @@ def test_a_reserve_takes_the_place_of_rank_0_killed_and_the_run_ends_as_if_unint
     assert reference.returncode == 0, reference.stdout[-4000:]
     expected = launch.losses(reference.stdout)
     assert launch.losses(after) == {i: expected[i] for i in range(5, 11)}
+
+
+@pytest.mark.slow
+@pytest.mark.compat
+def test_with_the_reserves_used_up_the_next_lost_rank_ends_in_process_restarts_and_the_launcher_restarts(
+        tmp_path):
+    """The ladder: a reserve takes the first lost rank's place; at the second loss none is left, so the
+    in-process layer gives up (exit code 10, said once: the state is sound, only a process is missing) and
+    the launcher's in-job restart starts every rank again; the run finishes."""
+    save, log = tmp_path / "ckpt", tmp_path / "run.log"
+    with _running(save, log, max_restarts=1) as run:
+        _wait_for(run, log, "iteration        6/")
+        [setup] = [e for e in _events(save) if e["event"] == "inprocess"]
+        os.kill(setup["pids"][0], signal.SIGKILL)
+        _wait_for(run, log, "iteration        6/", after="[resil] restart: in-process restart 1")
+        [restart] = [e for e in _events(save) if e["event"] == "restart"]
+        os.kill(restart["pids"][1], signal.SIGKILL)  # rank 1: the process that trained from the start
+        code = run.wait(timeout=600)
+    out = log.read_text()
+    assert code == 0, out[-6000:]
+    ended = [line for line in out.splitlines() if line.startswith("[resil] inprocess: no warm reserve left")]
+    assert len(ended) == 1 and "exiting with code 10" in ended[0], out[-6000:]
+    assert "the last failure: rank 1 ended (its process is gone)" in ended[0], ended[0]
+    # No rank ends in a traceback (torch's error handler prefixes each line with the rank); NVRx 0.7 logs
+    # tracebacks of its own NVML probes at start-up on a host without a GPU, which are not failures.
+    assert not re.search(r"\[rank\d+\]: Traceback", out), out[-6000:]
+    # ft_launcher's in-job restart, after the in-process layer's
+    assert out.count("[resil] restart: worker group restart 1 of at most 1") == 1, out[-6000:]
+    exits = [e["exit_code"] for e in _events(save) if e["event"] == "exit"]
+    assert exits == [exit_codes.RESERVES_USED_UP], exits  # then the restarted ranks finished
+    assert [e["iteration"] for e in _events(save) if e["event"] == "finished"] == [10]
 
 
 def _parse(*extra: str, world_size: int):

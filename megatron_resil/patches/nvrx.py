@@ -110,31 +110,28 @@ def _keep_survivors_of_a_lost_rank() -> None:
 
     RunResult, WorkerState = launcher.RunResult, launcher.WorkerState  # noqa: N806 - 0.4.1 has its own copy
     monitor_workers = launcher.LocalElasticAgent._monitor_workers
-    left: dict[int, int] = {}  # pid of a worker that died while others ran -> its exit code (-signal)
 
     @functools.wraps(monitor_workers)
     def monitor_leaving_survivors(self, worker_group):
         result = monitor_workers(self, worker_group)
         if result.state is not WorkerState.UNHEALTHY:  # all well, all done, or all failed: NVRx decides
             return result
-        running = [h.proc.pid for h in self._pcontext.subprocess_handlers.values() if h.proc.poll() is None]
-        for global_rank, failure in result.failures.items():
-            if failure.pid in left or failure.exitcode >= 0 or not running:
-                continue
-            # Killed by a signal while the others train: in-process restart puts a warm reserve in its
-            # place, or ends every rank (exit code 8) when none is left; the agent's restart follows that.
-            left[failure.pid] = failure.exitcode
-            print(f"[resil] ft_launcher: rank {global_rank} (pid {failure.pid}) was killed (exit code "
+        context = self._pcontext
+        running = [h.proc.pid for h in context.subprocess_handlers.values() if h.proc.poll() is None]
+        killed = {rank: failure for rank, failure in context._failures.items() if failure.exitcode < 0}
+        if not running or len(killed) < len(context._failures):
+            return result  # a rank that failed otherwise, or nobody left: the agent's own decision
+        # Killed by a signal while the others train: in-process restart puts a warm reserve in its place,
+        # or ends every rank (and the agent restarts them). Forgotten here, it is said once, and the
+        # group's end is the others' (all exit 0: SUCCEEDED).
+        for local_rank, failure in killed.items():
+            del context._failures[local_rank]
+            rank = worker_group.workers[local_rank].global_rank
+            print(f"[resil] ft_launcher: rank {rank} (pid {failure.pid}) was killed (exit code "
                   f"{failure.exitcode}); --inprocess-restart: the other {len(running)} rank processes go on, "
                   "and a warm reserve takes its place or the in-process restarts end", file=sys.stderr,
                   flush=True)
-        if any(f.pid not in left for f in result.failures.values()):
-            return result  # a rank that failed otherwise: the agent's own decision
-        if running:
-            return RunResult(state=WorkerState.HEALTHY)
-        # Every other rank finished (exit code 0) after the lost ones: the run succeeded without them.
-        return RunResult(state=WorkerState.SUCCEEDED,
-                         return_values={w.global_rank: None for w in worker_group.workers})
+        return RunResult(state=WorkerState.HEALTHY)
 
     launcher.LocalElasticAgent._monitor_workers = monitor_leaving_survivors
 
@@ -309,6 +306,11 @@ PATCHES = (
             Says(f"{_AGENT}._start_workers", "self._pcontext = start_processes("),
             AnyOf((Says(f"{_ELASTIC_COPY}.multiprocessing.api:SubprocessContext", "self.subprocess_handlers"),
                    Says(_SUBPROCESSES, "self.subprocess_handlers"))),
+            # the failures a poll reports, by local rank; one dropped there is not reported again
+            AnyOf((Says(f"{_ELASTIC_COPY}.multiprocessing.api:SubprocessContext._poll",
+                        "self._failures[local_rank] = ProcessFailure("),
+                   Says(f"{_SUBPROCESSES}._capture_process_failures",
+                        "self._failures[local_rank] = ProcessFailure("))),
             AnyOf((Says(f"{_ELASTIC_COPY}.multiprocessing.errors:ProcessFailure", "exitcode: int"),
                    Says("torch.distributed.elastic.multiprocessing.errors:ProcessFailure", "exitcode: int"))),
         ),

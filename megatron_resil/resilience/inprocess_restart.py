@@ -44,6 +44,7 @@ with warnings.catch_warnings():  # NVRx's pynvml deprecation warning is noise on
     from nvidia_resiliency_ext import inprocess
     from nvidia_resiliency_ext.inprocess.attribution import Interruption
     from nvidia_resiliency_ext.inprocess.exception import RestartAbort
+    from nvidia_resiliency_ext.inprocess.rank_assignment import RankDiscarded
     from nvidia_resiliency_ext.inprocess.store import PrefixStore as WrapperPrefixStore
 
 # Without it, Megatron's ports, hosted by rank 0: torch.distributed's store on MASTER_PORT + 1, the
@@ -80,7 +81,7 @@ def run(pretrain: Callable[[argparse.Namespace], int], args: argparse.Namespace)
     gc.freeze()
     try:
         return wrapped()
-    except RestartAbort as err:  # NVRx's "no more attempts", raised on every rank
+    except (RestartAbort, RankDiscarded) as err:  # NVRx's "no more attempts", or too few ranks left
         return attempts.give_up(err)
 
 
@@ -214,6 +215,8 @@ class Attempts:
         self.started = attempt + 1
         events.configure(self.args.save)  # the log lines below come before pretrain() configures it
         pids = self._pids(attempt)
+        # NVRx numbers the live processes afresh after a loss; its records of a failure name that number
+        self.store.set(f"rank_of/{attempt}/{call_wrapper.state.rank}", str(parallel.rank()))
         if attempt == 0:
             self._log_setup(pids)
         else:
@@ -251,21 +254,27 @@ class Attempts:
 
     def collect_failure(self, attempt: int) -> Failure:
         """Which ranks ended `attempt` and why (read by rank 0 of the next attempt, or by the process that
-        reports the last one). NVRx's interruption records name
-        the ranks that failed first (others fail in turn once their peers are gone, within its last-call
-        wait); the messages are those the failing ranks published."""
+        reports the last one). NVRx's interruption records name the ranks that failed first (others fail
+        in turn once their peers are gone, within its last-call wait); the messages are those the failing
+        ranks published."""
         records = WrapperPrefixStore(attempt, self.wrapper_store).get_interruption_records()
         parts, ranks, first = [], [], None
         # In order, once each; a lost process first: its peers' errors (a connection reset) follow from it.
         for record in sorted(dict.fromkeys(records), key=lambda r: r.interruption != Interruption.TERMINATED):
-            ranks.append(record.rank)
-            key = f"failure/{attempt}/{record.rank}"
+            numbered = f"rank_of/{attempt}/{record.rank}"
+            if not self.store.check([numbered]):  # a reserve, or a process lost before it took its rank
+                parts.append(f"a process not training (NVRx's rank {record.rank}) "
+                             f"{self._describe(record.interruption)}")
+                continue
+            rank = int(self.store.get(numbered))
+            ranks.append(rank)
+            key = f"failure/{attempt}/{rank}"
             if record.interruption == Interruption.EXCEPTION and self.store.check([key]):
                 published = json.loads(self.store.get(key))
                 first = published["unix"] if first is None else min(first, published["unix"])
-                parts.append(f"rank {record.rank} raised {published['type']}: {published['message']}")
+                parts.append(f"rank {rank} raised {published['type']}: {published['message']}")
             else:
-                parts.append(f"rank {record.rank} {self._describe(record.interruption)}")
+                parts.append(f"rank {rank} {self._describe(record.interruption)}")
         return Failure("; ".join(parts) or "no rank recorded a reason", tuple(sorted(set(ranks))), first)
 
     def _describe(self, interruption: Interruption) -> str:
@@ -322,23 +331,28 @@ class Attempts:
                         reason=failure.text, failed_ranks=list(failure.ranks), failed_unix=failure.unix,
                         pids=pids)
 
-    def give_up(self, err: RestartAbort) -> int:
-        """NVRx will not start another attempt: the bound is reached (or too few ranks are left)."""
+    def give_up(self, err: RestartAbort | RankDiscarded) -> int:
+        """NVRx will not start another attempt: the bound is reached, or too few ranks are left."""
         events.configure(self.args.save)
         limit = self.args.inprocess_max_iterations
+        # Too few processes is no fault of the state: the launcher may start every rank again.
+        code = exit_codes.RESERVES_USED_UP if isinstance(err, RankDiscarded) else exit_codes.UNRECOVERABLE
         if self.wrapper_store is None:  # a reserve that never trained: a process that did says it
             with contextlib.suppress(Exception):
                 self.store.wait([_EXIT_RECORDED], _EXIT_RECORD_TIMEOUT)
-            return exit_codes.UNRECOVERABLE
+            return code
         try:
             last = self.collect_failure(self.started - 1).text
         except Exception:  # noqa: BLE001 - the store is gone with its host
             last = "unknown"
-        if limit is not None and self.started >= limit:
+        if isinstance(err, RankDiscarded):
+            why = (f"no warm reserve left to take a lost rank's place: fewer live processes than "
+                   f"--inprocess-active-world-size {self.args.world_size} after {self.started} attempts")
+        elif limit is not None and self.started >= limit:
             why = f"all {limit} attempts allowed by --inprocess-max-iterations failed"
         else:
             why = f"NVRx ended in-process restarts after {self.started} attempts ({err})"
-        message = f"{why}; the last failure: {last}; exiting with code {exit_codes.UNRECOVERABLE}"
+        message = f"{why}; the last failure: {last}; exiting with code {code}"
         # One process writes the exit record: the first to get here (rank 0's may be the one lost, and a
         # reserve that never trained has no rank). The others wait until it is on record, since the
         # launcher ends every rank as soon as one has exited.
@@ -348,15 +362,14 @@ class Attempts:
             writes = True
         if writes:
             with events.speaking_for_every_rank():
-                events.decision("inprocess", message, exit_code=exit_codes.UNRECOVERABLE,
-                                attempts=self.started)
-                events.record("exit", message=message, exit_code=exit_codes.UNRECOVERABLE)
+                events.decision("inprocess", message, exit_code=code, attempts=self.started)
+                events.record("exit", message=message, exit_code=code)
             with contextlib.suppress(Exception):
                 self.store.set(_EXIT_RECORDED, "1")
         else:
             with contextlib.suppress(Exception):
                 self.store.wait([_EXIT_RECORDED], _EXIT_RECORD_TIMEOUT)
-        return exit_codes.UNRECOVERABLE
+        return code
 
 
 class ReleaseProcessGroups(inprocess.abort.Abort):

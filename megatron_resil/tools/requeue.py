@@ -36,6 +36,7 @@ _REQUEUE = {
                                 "checkpoint is intact",
     exit_codes.SAVE_FAILED: "a save failed (I/O); the previous checkpoint is intact",
     exit_codes.LAUNCHER_GONE: "the launcher died and its ranks stopped without saving",
+    exit_codes.RESERVES_USED_UP: "in-process restart lost a rank with no warm reserve left to take its place",
     exit_codes.RERUN_RESUME: "the rerun state machine asks to resume from the checkpoint (Megatron's 16)",
 }
 
