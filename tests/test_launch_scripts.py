@@ -35,6 +35,7 @@ def _ev(event: str, **fields) -> dict:
     ([_ev("start"), _ev("exit", exit_code=0, requeue=False)], 0, "stop", 0),  # --exit-interval
     ([_ev("start"), _ev("exit", exit_code=exit_codes.NO_CHECKPOINT)], 1, "stop", 3),
     ([_ev("start"), _ev("exit", exit_code=exit_codes.UNRECOVERABLE)], 1, "stop", 8),
+    ([_ev("start"), _ev("exit", exit_code=exit_codes.RESERVES_USED_UP)], 1, "requeue", 10),
     ([_ev("start"), _ev("exit", exit_code=exit_codes.RERUN_RESUME)], 1, "requeue", 16),
     ([_ev("start"), _ev("exit", exit_code=exit_codes.RERUN_FAILED_VALIDATION)], 1, "stop", 17),
     ([_ev("start")], 1, "requeue", 1),  # killed without a word: a lost node, restarts exhausted
@@ -43,7 +44,7 @@ def _ev(event: str, **fields) -> dict:
      0, "stop", 0),
     ([], 0, "stop", 0),
 ], ids=["finished", "signal", "signal-deadline", "duration", "interval", "no-checkpoint", "unrecoverable",
-        "rerun-16", "rerun-17", "killed", "restarted-then-finished", "no-event-log"])
+        "reserves-used-up", "rerun-16", "rerun-17", "killed", "restarted-then-finished", "no-event-log"])
 def test_requeue_decision(events, launcher_code, verb, code):
     got_verb, got_code, reason = decide(events, launcher_code)
     assert (got_verb, got_code) == (verb, code), reason
