@@ -33,7 +33,8 @@ def rank() -> int:
     dist = sys.modules.get("torch.distributed")  # not imported: no process group can exist yet
     if dist is not None and dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))
+    raw = os.environ.get("RANK", "0")
+    return int(raw) if raw.isdigit() else -1  # NVRx's "None": a warm reserve of in-process restart, no rank
 
 
 def is_rank0() -> bool:

@@ -29,6 +29,8 @@ SECONDS_PER_FILE = {  # seconds per file, three at a time on a quiet machine, 20
     # The second lane only (Muon is there): its four resumes, estimated from a loaded run (590 s at a load
     # average of about 10 on 2 cores, 2026-11-28); the first lane skips them at once.
     "test_muon.py": 170,
+    # Stop 41's, alone on a quiet host (2026-11-28): four runs of 3 processes and a reference.
+    "test_warm_reserve.py": 110,
 }
 
 

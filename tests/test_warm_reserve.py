@@ -1,5 +1,6 @@
 """Warm reserves under in-process restart (--inprocess-active-world-size below the world size): a rank's
-process killed with SIGKILL, rank 0's included, costs the job nothing but the restart. Under
+process killed with SIGKILL (rank 0's included) or stopped with SIGSTOP costs the job nothing but the
+restart. Under
 scripts/run_local.sh (our ft_launcher) the other processes go on, a reserve takes the lost rank's place in
 the same job step, and the run finishes with exactly the losses of a run that was never interrupted.
 
@@ -51,14 +52,14 @@ def _events(save: Path) -> list[dict]:
 
 
 @contextlib.contextmanager
-def _running(save: Path, log: Path, max_restarts: int) -> Iterator[subprocess.Popen]:
+def _running(save: Path, log: Path, max_restarts: int, extra: list[str] = ()) -> Iterator[subprocess.Popen]:
     """run_local.sh with 3 processes, 2 of them training; on the way out (a failed assertion), it and every
     process below it are killed: the workers are in sessions of their own."""
     env = {**launch.env(standby=False), "NPROC_PER_NODE": "3", "MAX_RESTARTS": str(max_restarts),
            "MAX_REQUEUES": "0", "RESIL_PYTHON": sys.executable}
     with open(log, "w") as out:
-        run = subprocess.Popen(["bash", str(RUN_LOCAL), *_args(save, *_INPROCESS)], env=env, cwd=launch.REPO,
-                               stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        run = subprocess.Popen(["bash", str(RUN_LOCAL), *_args(save, *_INPROCESS, *extra)], env=env,
+                               cwd=launch.REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         yield run
     finally:
@@ -68,84 +69,115 @@ def _running(save: Path, log: Path, max_restarts: int) -> Iterator[subprocess.Po
         run.wait()
 
 
-def _wait_for(run: subprocess.Popen, log: Path, text: str, after: str | None = None) -> None:
-    """Until `text` is in the log (after the first `after`), polling it: the event, however long it takes."""
-    while text not in (log.read_text() if after is None else log.read_text().partition(after)[2]):
+def _wait_for(run: subprocess.Popen, log: Path, text: str) -> None:
+    """Until `text` is in the log, polling it: the event, however long it takes."""
+    while text not in log.read_text():
         assert run.poll() is None, log.read_text()[-4000:]
         time.sleep(0.2)
 
 
-@pytest.mark.slow
-@pytest.mark.compat
-def test_a_reserve_takes_the_place_of_rank_0_killed_and_the_run_ends_as_if_uninterrupted(tmp_path):
-    save, log = tmp_path / "ckpt", tmp_path / "run.log"
-    with _running(save, log, max_restarts=0) as run:
-        # Rank 0 trains past the first checkpoint; then its process (the store host, were ranks hosting the
-        # stores) is killed.
-        _wait_for(run, log, "iteration        6/")
-        [setup] = [e for e in _events(save) if e["event"] == "inprocess"]
-        assert setup["reserves"] == 1 and len(setup["pids"]) == 2, setup
-        assert "stores hosted by the launcher" in setup["message"], setup["message"]
-        lost = setup["pids"][0]
-        os.kill(lost, signal.SIGKILL)
+def _run(save: Path, log: Path, max_restarts: int, fault: list[str], stop_hung: int | None = None) -> str:
+    """The run with `fault` injected at iteration 7 (after the checkpoint of 4, before that of 8: every way
+    resumes from 4), to its end, which must be a success; its output. `stop_hung`: once the hang injected
+    in that rank has struck, its process is stopped with SIGSTOP."""
+    with _running(save, log, max_restarts, [*fault, "--inject-fault-iteration", "7"]) as run:
+        if stop_hung is not None:
+            _wait_for(run, log, f"[resil] fault: injecting hang on rank {stop_hung} ")
+            [setup] = [e for e in _events(save) if e["event"] == "inprocess"]
+            os.kill(setup["pids"][stop_hung], signal.SIGSTOP)
         code = run.wait(timeout=600)
     out = log.read_text()
     assert code == 0, out[-6000:]
+    return out
 
-    # The launcher left the others running, and said so once; it restarted nothing itself.
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict:
+    """The losses of the same run with nothing lost (torchrun, 2 ranks)."""
+    reference = launch.run(_args(tmp_path_factory.mktemp("uninterrupted") / "ckpt"))
+    assert reference.returncode == 0, reference.stdout[-4000:]
+    return launch.losses(reference.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.compat
+def test_a_reserve_takes_the_place_of_rank_0_killed_and_the_run_ends_as_if_uninterrupted(uninterrupted,
+                                                                                        tmp_path):
+    # Rank 0's process kills itself with SIGKILL; it would be the stores' host, were the ranks hosting them.
+    save = tmp_path / "ckpt"
+    out = _run(save, tmp_path / "run.log", 0, ["--inject-fault", "kill", "--inject-fault-ranks", "0"])
+    events = _events(save)
+    [setup] = [e for e in events if e["event"] == "inprocess"]
+    assert setup["reserves"] == 1 and len(setup["pids"]) == 2, setup
+    assert "stores hosted by the launcher" in setup["message"], setup["message"]
+    lost = setup["pids"][0]
+
+    # The launcher left the others running, and said so once; it restarted nothing itself (no restarts
+    # allowed).
     assert out.count(f"[resil] ft_launcher: rank 0 (pid {lost}) was killed (exit code -9)") == 1, out[-6000:]
     # One in-process restart, which names the lost process first and the reserve now in its place.
     restarts = [line for line in out.splitlines() if line.startswith("[resil] restart:")]
     assert len(restarts) == 1, restarts
     assert restarts[0].startswith("[resil] restart: in-process restart 1 of at most 3: rank 0 ended (its "
                                   "process is gone)"), restarts[0]
-    events = _events(save)
     [restart] = [e for e in events if e["event"] == "restart"]
-    reserve, survivor = restart["pids"]
-    assert survivor == setup["pids"][1] and reserve not in setup["pids"], (setup, restart)
+    [reserve] = set(restart["pids"]) - set(setup["pids"])
+    assert restart["pids"] == [reserve, setup["pids"][1]], (setup, restart)
     assert f"the reserve process {reserve} takes rank 0's place (process {lost} is lost)" in restarts[0]
-    assert 0 in restart["failed_ranks"]
+    assert restart["failed_ranks"][0] == 0
 
     # Resumed from the checkpoint of iteration 4 and finished, with the uninterrupted run's losses.
     after = out.split(restarts[0], 1)[1]
     assert [e["iteration"] for e in events if e["event"] == "loaded"] == [4]
-    assert sorted(launch.losses(after)) == [5, 6, 7, 8, 9, 10]
     assert [e["iteration"] for e in events if e["event"] == "finished"] == [10]
-    reference = launch.run(_args(tmp_path / "reference"))
-    assert reference.returncode == 0, reference.stdout[-4000:]
-    expected = launch.losses(reference.stdout)
-    assert launch.losses(after) == {i: expected[i] for i in range(5, 11)}
+    assert launch.losses(after) == {i: uninterrupted[i] for i in range(5, 11)}
 
 
 @pytest.mark.slow
 @pytest.mark.compat
-def test_with_the_reserves_used_up_the_next_lost_rank_ends_in_process_restarts_and_the_launcher_restarts(
-        tmp_path):
-    """The ladder: a reserve takes the first lost rank's place; at the second loss none is left, so the
-    in-process layer gives up (exit code 10, said once: the state is sound, only a process is missing) and
-    the launcher's in-job restart starts every rank again; the run finishes."""
-    save, log = tmp_path / "ckpt", tmp_path / "run.log"
-    with _running(save, log, max_restarts=1) as run:
-        _wait_for(run, log, "iteration        6/")
-        [setup] = [e for e in _events(save) if e["event"] == "inprocess"]
-        os.kill(setup["pids"][0], signal.SIGKILL)
-        _wait_for(run, log, "iteration        6/", after="[resil] restart: in-process restart 1")
-        [restart] = [e for e in _events(save) if e["event"] == "restart"]
-        os.kill(restart["pids"][1], signal.SIGKILL)  # rank 1: the process that trained from the start
-        code = run.wait(timeout=600)
-    out = log.read_text()
-    assert code == 0, out[-6000:]
+def test_a_stopped_rank_is_terminated_and_its_place_taken_and_the_run_ends_as_if_uninterrupted(uninterrupted,
+                                                                                             tmp_path):
+    """SIGSTOP of rank 1's process: no progress for the soft timeout, and NVRx terminates it at its hard
+    timeout. On gloo no collective can be aborted, so rank 0, blocked in one with the stopped rank, makes no
+    progress either until the stopped one is gone, and NVRx terminates it too when its own hard timeout
+    comes first. Either way the place is taken: by the reserve (in-process, the usual case), or with both
+    gone by the launcher's in-job restart; and the run ends as if uninterrupted."""
+    save = tmp_path / "ckpt"
+    fault = ["--inject-fault", "hang", "--inject-fault-ranks", "1",
+             "--inprocess-soft-timeout", "15", "--inprocess-hard-timeout", "30"]
+    out = _run(save, tmp_path / "run.log", 1, fault, stop_hung=1)
+    [setup] = [e for e in _events(save) if e["event"] == "inprocess"]
+    stopped = setup["pids"][1]
+    assert out.count(f"[resil] ft_launcher: rank 1 (pid {stopped}) was killed") == 1, out[-6000:]
+    restarts = [line for line in out.splitlines() if line.startswith("[resil] restart:")]
+    assert restarts and ("rank 1 made no progress for --inprocess-soft-timeout 15 s" in restarts[0]
+                         or "worker group restart 1 of at most 1" in restarts[-1]), restarts
+    after = out.split(restarts[-1], 1)[1]
+    assert launch.losses(after) == {i: uninterrupted[i] for i in range(5, 11)}
+    assert [e["iteration"] for e in _events(save) if e["event"] == "finished"] == [10]
+
+
+@pytest.mark.slow
+@pytest.mark.compat
+def test_with_more_ranks_lost_than_reserves_in_process_restarts_end_and_the_launcher_restarts_every_rank(
+        uninterrupted, tmp_path):
+    """The ladder: both training ranks' processes are killed and one reserve is left, so the in-process
+    layer gives up (exit code 10, said once: the state is sound, processes are missing) and the launcher's
+    in-job restart starts every rank again; the run finishes as if uninterrupted."""
+    save = tmp_path / "ckpt"
+    out = _run(save, tmp_path / "run.log", 1, ["--inject-fault", "kill", "--inject-fault-ranks", "0,1"])
     ended = [line for line in out.splitlines() if line.startswith("[resil] inprocess: no warm reserve left")]
     assert len(ended) == 1 and "exiting with code 10" in ended[0], out[-6000:]
-    assert "the last failure: rank 1 ended (its process is gone)" in ended[0], ended[0]
     # No rank ends in a traceback (torch's error handler prefixes each line with the rank); NVRx 0.7 logs
     # tracebacks of its own NVML probes at start-up on a host without a GPU, which are not failures.
     assert not re.search(r"\[rank\d+\]: Traceback", out), out[-6000:]
     # ft_launcher's in-job restart, after the in-process layer's
-    assert out.count("[resil] restart: worker group restart 1 of at most 1") == 1, out[-6000:]
+    restarts = [line for line in out.splitlines() if line.startswith("[resil] restart:")]
+    assert restarts[-1].startswith("[resil] restart: worker group restart 1 of at most 1"), restarts
     exits = [e["exit_code"] for e in _events(save) if e["event"] == "exit"]
     assert exits == [exit_codes.RESERVES_USED_UP], exits  # then the restarted ranks finished
     assert [e["iteration"] for e in _events(save) if e["event"] == "finished"] == [10]
+    assert launch.losses(out.split(restarts[-1], 1)[1]) == {i: uninterrupted[i] for i in range(5, 11)}
 
 
 def _parse(*extra: str, world_size: int):

@@ -337,25 +337,22 @@ class Attempts:
         limit = self.args.inprocess_max_iterations
         # Too few processes is no fault of the state: the launcher may start every rank again.
         code = exit_codes.RESERVES_USED_UP if isinstance(err, RankDiscarded) else exit_codes.UNRECOVERABLE
-        if self.wrapper_store is None:  # a reserve that never trained: a process that did says it
-            with contextlib.suppress(Exception):
-                self.store.wait([_EXIT_RECORDED], _EXIT_RECORD_TIMEOUT)
-            return code
         try:
-            last = self.collect_failure(self.started - 1).text
+            last = (self.collect_failure(self.started - 1).text if self.wrapper_store is not None else
+                    "not seen by this process (a reserve that has not trained)")
         except Exception:  # noqa: BLE001 - the store is gone with its host
             last = "unknown"
         if isinstance(err, RankDiscarded):
             why = (f"no warm reserve left to take a lost rank's place: fewer live processes than "
-                   f"--inprocess-active-world-size {self.args.world_size} after {self.started} attempts")
+                   f"--inprocess-active-world-size {self.args.world_size} (NVRx: {err})")
         elif limit is not None and self.started >= limit:
             why = f"all {limit} attempts allowed by --inprocess-max-iterations failed"
         else:
             why = f"NVRx ended in-process restarts after {self.started} attempts ({err})"
         message = f"{why}; the last failure: {last}; exiting with code {code}"
-        # One process writes the exit record: the first to get here (rank 0's may be the one lost, and a
-        # reserve that never trained has no rank). The others wait until it is on record, since the
-        # launcher ends every rank as soon as one has exited.
+        # One process writes the exit record: the first to get here (rank 0's may be the one lost, and
+        # the one left may be a reserve that never trained, which has no rank). The others wait until it
+        # is on record, since the launcher ends every rank as soon as one has exited.
         try:
             writes = self.store.add(_EXIT_WRITER, 1) == 1
         except Exception:  # noqa: BLE001 - the store is gone with its host: each process says it
