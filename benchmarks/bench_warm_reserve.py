@@ -4,17 +4,18 @@
     python benchmarks/bench_warm_reserve.py --rounds 1    # smoke run
 
 Both ways run under scripts/run_local.sh (our ft_launcher, loopback, gloo) with the tests' tiny GPT, 2
-training ranks and a checkpoint every 4 iterations. Once iteration 6 is logged, rank 0's process is killed
-with SIGKILL; both ways resume from the checkpoint of iteration 4, so they recompute the same work:
+training ranks and a checkpoint every 4 iterations. Before iteration 7 rank 0's process kills itself with
+SIGKILL (`--inject-fault kill`); both ways resume from the checkpoint of iteration 4, so they recompute the
+same work:
 
     reserve   --inprocess-restart --inprocess-active-world-size 2 with 3 processes: the other processes go on
               and the reserve takes rank 0's place in the same job step (in-process restart)
     in-job    2 processes, no in-process restart, MAX_RESTARTS=1: ft_launcher ends the survivor and starts
               both ranks again (today's path for a lost process)
 
-The figure: the time from the kill to the first `progress` event of iteration 5 after it (the run's own
-event log), the median per way, and their ratio (reserve / in-job). Rounds alternate the two ways, the
-order reversed every other round. Results go to BENCHMARKS.md.
+The figure: the time from the kill (its `fault_injected` event) to the first `progress` event of
+iteration 5 after it (the run's own event log), the median per way, and their ratio (reserve / in-job).
+Rounds alternate the two ways, the order reversed every other round. Results go to BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,7 +51,8 @@ def one(way: str, work: Path) -> float:
     """Seconds from the kill of rank 0's process to iteration 5 logged again."""
     save, log = work / "ckpt", work / "run.log"
     args = [*launch.TINY_MODEL, *launch.TINY_TRAINING, "--train-iters", "10", "--save", str(save),
-            "--load", str(save), "--save-interval", "4", *(RESERVE if way == "reserve" else [])]
+            "--load", str(save), "--save-interval", "4", "--inject-fault", "kill",
+            "--inject-fault-iteration", "7", *(RESERVE if way == "reserve" else [])]
     env = {**launch.env(standby=False), "NPROC_PER_NODE": "3" if way == "reserve" else "2",
            "MAX_RESTARTS": "0" if way == "reserve" else "1", "MAX_REQUEUES": "0",
            "RESIL_PYTHON": sys.executable}
@@ -59,21 +60,14 @@ def one(way: str, work: Path) -> float:
         run = subprocess.Popen(["bash", str(RUN_LOCAL), *args], env=env, cwd=REPO, stdout=out,
                                stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        while "iteration        6/" not in log.read_text():
-            if run.poll() is not None:
-                raise RuntimeError(f"{way}: ended before iteration 6:\n{log.read_text()[-3000:]}")
-            time.sleep(0.05)
-        events = _events(save)
-        rank0 = ([e for e in events if e["event"] == "inprocess"][0]["pids"][0] if way == "reserve"
-                 else [e for e in events if e["event"] == "start"][0]["pid"])
-        killed = time.time()
-        os.kill(rank0, signal.SIGKILL)
         if run.wait(timeout=600) != 0:
             raise RuntimeError(f"{way}: exit code {run.returncode}:\n{log.read_text()[-3000:]}")
     finally:
         if run.poll() is None:
             os.killpg(run.pid, signal.SIGKILL)
-    again = [e["unix"] for e in _events(save)
+    events = _events(save)
+    [killed] = [e["unix"] for e in events if e["event"] == "fault_injected"]
+    again = [e["unix"] for e in events
              if e["event"] == "progress" and e.get("iteration") == 5 and e["unix"] > killed]
     return min(again) - killed
 
