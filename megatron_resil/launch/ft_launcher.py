@@ -80,31 +80,28 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(err, file=sys.stderr, flush=True)
         return exit_codes.BAD_ARGUMENTS
+    from megatron_resil import patches
+    from megatron_resil.patches import nvrx
+
+    records = []
     agent_store = _under_inprocess_restart(argv)
     if agent_store is not None:
-        from megatron_resil import patches
-        from megatron_resil.patches import nvrx
-
-        try:
-            patches.install(only=(nvrx.KEEP_SURVIVORS,))
-        except patches.UpstreamMismatch as mismatch:
-            return mismatch.code
+        records.append(nvrx.KEEP_SURVIVORS)
         if agent_store:  # the workers host no store: the loss of any rank, rank 0's included, leaves them up
             os.environ[AGENT_STORE_ENV] = agent_store
     if asked:
-        from megatron_resil import patches
-        from megatron_resil.patches import nvrx
-
         reason = nvrx.keep_alive_not_needed()
-        if reason is not None:
+        if reason is None:
+            records.append(nvrx.KEEP_ALIVE)
+        else:
             print(f"[resil] ft_launcher: --rdzv-conf {','.join(f'{k}={v}' for k, v in asked.items())} has no "
                   f"effect on nvidia-resiliency-ext {patches.installed_version(nvrx.PACKAGE)}: {reason}",
                   file=sys.stderr, flush=True)
-        else:
-            try:
-                patches.install(only=(nvrx.KEEP_ALIVE,))  # a mismatch: its one line, exit 2
-            except patches.UpstreamMismatch as mismatch:
-                return mismatch.code
+    if records:
+        try:
+            patches.install(only=tuple(records))  # a mismatch: its one line, exit 2
+        except patches.UpstreamMismatch as mismatch:
+            return mismatch.code
     from nvidia_resiliency_ext.fault_tolerance import launcher
 
     launcher.main(argv)  # NVRx's own exit: sys.exit with the agent's code

@@ -68,9 +68,7 @@ def run(pretrain: Callable[[argparse.Namespace], int], args: argparse.Namespace)
     addr, port, rank, world_size = _launcher_env()
     timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
     stores = _stores(addr, port, rank, world_size, timeout)
-    attempts = Attempts(pretrain, args, stores.dist)
-    attempts.launcher_world_size = world_size
-    attempts.stores_hosted = stores.hosted
+    attempts = Attempts(pretrain, args, stores, world_size)
     wrapper = _wrapper(args, stores, attempts)
     attempts.health_checks_left_out = gpu_health_checks_left_out
     wrapped = wrapper(attempts.run)
@@ -197,15 +195,15 @@ class Attempts:
     """The function NVRx restarts, and what this rank carries from one attempt to the next."""
 
     def __init__(self, pretrain: Callable[[argparse.Namespace], int], args: argparse.Namespace,
-                 store: dist.Store) -> None:
+                 stores: Stores, launcher_world_size: int) -> None:
         self.pretrain = pretrain
         self.args = args
-        self.store = store
+        self.store = stores.dist
+        self.stores_hosted = stores.hosted  # said in the setup line
+        self.launcher_world_size = launcher_world_size  # reserves included
         self.wrapper_store = None  # NVRx's own store: its record of which ranks failed, and how
         self.started = 0  # attempts begun
         self.health_checks_left_out: tuple[str, ...] = ()  # NVRx's GPU checks, on a host without CUDA
-        self.stores_hosted = ""
-        self.launcher_world_size = int(os.environ.get("WORLD_SIZE", "1"))  # reserves included
 
     def run(self, call_wrapper: inprocess.CallWrapper | None = None) -> int:
         """One attempt. NVRx fills in the parameter annotated with its CallWrapper and checks every
