@@ -7,6 +7,7 @@ its DDP reduces the gradients, its optimizer updates."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import inspect
 import logging
@@ -41,7 +42,14 @@ from megatron_resil.optimizer import (
     wrap_in_ddp,
 )
 from megatron_resil.progress import TrainProgress
-from megatron_resil.resilience import launcher_watch, rerun, restart_phases, signal_handler, weight_hashes
+from megatron_resil.resilience import (
+    launcher_watch,
+    replica_recovery,
+    rerun,
+    restart_phases,
+    signal_handler,
+    weight_hashes,
+)
 from megatron_resil.resilience.fault_injection import FaultInjector
 from megatron_resil.resilience.fault_tolerance import FaultTolerance, report_restart
 from megatron_resil.resilience.rerun_escape import RerunEscape
@@ -112,26 +120,40 @@ def _pretrain(args: argparse.Namespace, ft: FaultTolerance) -> int:
     model, optimizer, scheduler = build_engine(args, tokenizer.vocab_size)
     phase_marks.mark("engine")
     faults = FaultInjector(args, model)
+    keeper = replica_recovery.Keeper(args, model, optimizer, scheduler)  # the state a replica can give
     rerun.initialize(rerun.RerunConfig.from_args(args))  # before the load: a checkpoint may hold its state
     checkpoints = CheckpointManager(CheckpointConfig.from_args(args), model, optimizer, scheduler, args,
                                     on_staged=faults.on_staged,
                                     params_in_sync=partial(params_in_sync, model, args),
-                                    may_publish=launcher_watch.launcher_alive)  # an orphan publishes nothing
+                                    may_publish=launcher_watch.launcher_alive,  # an orphan publishes nothing
+                                    on_loaded=keeper.committed)
     faults.before_writing_state = checkpoints.before_state_changes
     with signal_handler.loading():  # a signal now ends the process: a load can block past any grace
-        progress = checkpoints.load()
+        progress = _recovered_or_loaded(args, (model, optimizer, scheduler), checkpoints, keeper)
     phase_marks.mark("loaded")
     train_ds, valid_ds = build_datasets(args, tokenizer)
     phase_marks.mark("data")
     ft.setup_done(resumed=progress.iteration > 0)
     try:
-        code = train(args, model, optimizer, scheduler, checkpoints, progress, train_ds, valid_ds, faults, ft)
+        code = train(args, model, optimizer, scheduler, checkpoints, progress, train_ds, valid_ds, faults, ft,
+                     keeper)
     except CheckpointSaveError as err:
         events.decision("exit", f"{err}; the previous checkpoint and tracker are intact; "
                         f"exiting with code {exit_codes.SAVE_FAILED}", exit_code=exit_codes.SAVE_FAILED)
         code = exit_codes.SAVE_FAILED
     parallel.shutdown()
     return code
+
+
+def _recovered_or_loaded(args, engine: tuple, checkpoints: CheckpointManager,
+                         keeper: replica_recovery.Keeper) -> TrainProgress:
+    """After an in-process restart with --recover-from-replicas, the state the ranks kept (or received from
+    a replica); otherwise, or where no replica holds it, the newest checkpoint."""
+    progress = replica_recovery.recover(args, *engine)
+    if progress is None:
+        return checkpoints.load()
+    keeper.committed(progress)
+    return progress
 
 
 def _earlier_attempt_said_stop(args: argparse.Namespace) -> int | None:
@@ -164,10 +186,11 @@ def build_engine(args: argparse.Namespace, vocab_size: int):
 
 
 def train(args, model, optimizer, scheduler, checkpoints, progress: TrainProgress,
-          train_ds, valid_ds, faults: FaultInjector, ft: FaultTolerance) -> int:
+          train_ds, valid_ds, faults: FaultInjector, ft: FaultTolerance,
+          keeper: replica_recovery.Keeper) -> int:
     """Megatron-LM's train(): a step, its log line, then evaluation and a save at their intervals, until
     --train-iters or a stop (every reason to stop is decided in `_Stops`); the final save; the exit code."""
-    logger, stops = TrainLogger(args, get_model_config(model[0]).timers), _Stops(args, model)
+    logger, stops = TrainLogger(args, get_model_config(model[0]).timers), _Stops(args, model, keeper)
     events.print_rank_0(f"training from iteration {progress.iteration} to {args.train_iters}")
     if (stop := stops.signalled_before_training(progress.iteration)) is not None:
         ft.close()
@@ -187,7 +210,8 @@ def train(args, model, optimizer, scheduler, checkpoints, progress: TrainProgres
             faults.before_iteration(progress.iteration + 1)
             report, stop = train_step(args, model, optimizer, scheduler, train_ds, progress, faults,
                                       nan_checks=not checkpoints.canary_watching,
-                                      before_optimizer_step=checkpoints.before_state_changes)
+                                      before_optimizer_step=checkpoints.before_state_changes,
+                                      after_optimizer_step=keeper.committed)
         if stop is not None:  # the rerun state machine would end the job; this step was not taken
             progress, stop = stops.rejected_step(stop, progress, checkpoints)
             continue
@@ -213,8 +237,8 @@ class _Stops:
     machine's verdict on a step (unless its escape hatch falls back to an older checkpoint), a straggler,
     and the stop conditions (a signal, --exit-interval, --exit-duration-in-mins, ...)."""
 
-    def __init__(self, args: argparse.Namespace, model: list) -> None:
-        self.args, self.model = args, model
+    def __init__(self, args: argparse.Namespace, model: list, keeper: replica_recovery.Keeper) -> None:
+        self.args, self.model, self.keeper = args, model, keeper
         self.conditions = StopConditions(args)
         self.escape = RerunEscape.from_args(args)  # bounds the rerun state machine's same-device retries
         self.stragglers = StragglerDetection.from_args(args, model)  # times each rank's forward and backward
@@ -236,7 +260,10 @@ class _Stops:
         if interval is None or not (before_training or iteration % interval == 0):
             return None
         with params_in_sync(self.model, self.args):
-            return weight_hashes.check(self.model, iteration)
+            stop = weight_hashes.check(self.model, iteration)
+        if stop is not None:
+            self.keeper.suspect(f"the replicas' weights differed at iteration {iteration}")
+        return stop
 
     def iteration_started(self) -> None:
         self.stragglers.iteration_started()  # this rank's own work starts here, injected slowness included
@@ -245,6 +272,7 @@ class _Stops:
                       checkpoints: CheckpointManager) -> tuple[TrainProgress, rerun.RerunStop | None]:
         """The rerun state machine would end the job: it does, or the escape hatch goes on from an older
         checkpoint (None, and the progress loaded)."""
+        self.keeper.suspect(f"the rerun state machine rejected iteration {progress.iteration + 1}")
         return self.escape.judge(stop, progress, checkpoints)
 
     def step_taken(self, iteration: int) -> None:
@@ -263,10 +291,14 @@ class _Stops:
 
 def _count_step(args: argparse.Namespace, progress: TrainProgress, report: StepReport) -> None:
     """A taken step: the iteration, the samples it consumed and its floating-point operations."""
-    progress.iteration += 1
-    progress.consumed_train_samples += report.global_batch_size
-    progress.floating_point_operations_so_far += floating_point_operations(args, report.global_batch_size)
+    _advance(args, progress, report.global_batch_size)
     restart_phases.iteration_taken()
+
+
+def _advance(args: argparse.Namespace, progress: TrainProgress, batch_size: int) -> None:
+    progress.iteration += 1
+    progress.consumed_train_samples += batch_size
+    progress.floating_point_operations_so_far += floating_point_operations(args, batch_size)
 
 
 def _evaluate_and_save(args, model, valid_ds, progress: TrainProgress, checkpoints: CheckpointManager,
@@ -417,10 +449,13 @@ def _run_schedule(args, model, dataset, consumed: int, on_loss, forward_only: bo
 
 def train_step(args, model, optimizer, scheduler, dataset, progress: TrainProgress,
                faults: FaultInjector | None = None, nan_checks: bool = True,
-               before_optimizer_step=None) -> tuple[StepReport | None, rerun.RerunStop | None]:
+               before_optimizer_step=None,
+               after_optimizer_step=None) -> tuple[StepReport | None, rerun.RerunStop | None]:
     """(report, None), or (None, stop) when the rerun state machine ends the job before the optimizer step.
     `before_optimizer_step`: called just before the parameters change (a pending async save's copy of them
-    is completed there, CheckpointManager.before_state_changes)."""
+    is completed there, CheckpointManager.before_state_changes); `after_optimizer_step`: with the progress
+    as it stands once this step counts, right after the update (replica_recovery's commit: any collective
+    after it that fails finds the step taken)."""
     iteration = progress.iteration + 1
     step = rerun.StepValidation(iteration, nan_checks=nan_checks)
 
@@ -452,6 +487,10 @@ def train_step(args, model, optimizer, scheduler, dataset, progress: TrainProgre
         timers("optimizer").stop()
     if updated:
         scheduler.step(increment=batch_size)
+    if after_optimizer_step is not None:
+        stepped = dataclasses.replace(progress)
+        _advance(args, stepped, batch_size)
+        after_optimizer_step(stepped)
     moe_losses = moe_metrics.reduce_aux_losses(args, batch_schedule.num_microbatches(args, batch_size))
     params_norm = params_l2_norm(model, args.bf16) if args.log_params_norm else None
     return StepReport(_reported_loss(reports), float("nan") if grad_norm is None else float(grad_norm),

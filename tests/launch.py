@@ -201,3 +201,34 @@ def refused_line(argv: list[str], capsys, world_size: int = 1) -> str:
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("pretrain.py: error: "), lines
     return lines[0]
+
+
+def checkpoint_tensors(checkpoint: Path, scratch: Path, weights_only: bool = True) -> dict:
+    """The tensors of a torch_dist checkpoint directory (iter_NNNNNNN), converted through DCP into `scratch`:
+    the weights keyed by the model's own names, or with `weights_only=False` the optimizer's and the RNG's
+    too."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from megatron_resil import patches
+
+    patches.install(quiet=True)  # megatron-core 0.19 reads the common state through DCP, as pretrain.py does
+    out = scratch / f"{checkpoint.parent.name}_{checkpoint.name}.pt"
+    dcp_to_torch_save(str(checkpoint), str(out))
+    skipped = ("optimizer.", "chained_", "rng_state", "common_state") if weights_only else ()
+    tensors = {k: v for k, v in torch.load(out, weights_only=False).items()
+               if isinstance(v, torch.Tensor) and not k.startswith(skipped)}
+    assert "embedding.word_embeddings.weight" in tensors
+    return tensors
+
+
+def differing_tensors(a: Path, b: Path, scratch: Path, weights_only: bool = True) -> list[str]:
+    """The names of the tensors two checkpoints hold with different values (bit for bit)."""
+    import torch
+
+    (scratch / "a").mkdir(exist_ok=True)
+    (scratch / "b").mkdir(exist_ok=True)
+    ta = checkpoint_tensors(a, scratch / "a", weights_only)
+    tb = checkpoint_tensors(b, scratch / "b", weights_only)
+    assert ta.keys() == tb.keys()
+    return sorted(k for k in ta if not torch.equal(ta[k], tb[k]))

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_resil import exit_codes, patches
+from megatron_resil import exit_codes
 from megatron_resil.arguments import parse_args
 from megatron_resil.checkpointing import state
 from megatron_resil.checkpointing.resumed_schedule import ScheduleMismatch, check_resumed_schedule
@@ -161,25 +161,6 @@ def _iter_dir(root: Path, iteration: int) -> Path:
     return root / f"iter_{iteration:07d}"
 
 
-def _model_tensors(checkpoint: Path, scratch: Path) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    patches.install(quiet=True)  # megatron-core 0.19 reads the common state through DCP, as pretrain.py does
-    out = scratch / f"{checkpoint.parent.name}_{checkpoint.name}.pt"
-    dcp_to_torch_save(str(checkpoint), str(out))
-    # The weights, keyed by the model's own names (the optimizer's and the RNG's entries left out).
-    tensors = {k: v for k, v in torch.load(out, weights_only=False).items() if isinstance(v, torch.Tensor)
-               and not k.startswith(("optimizer.", "chained_", "rng_state", "common_state"))}
-    assert "embedding.word_embeddings.weight" in tensors
-    return tensors
-
-
-def _same_weights(a: Path, b: Path, scratch: Path) -> list[str]:
-    ta, tb = _model_tensors(a, scratch), _model_tensors(b, scratch)
-    assert ta.keys() == tb.keys()
-    return sorted(k for k in ta if not torch.equal(ta[k], tb[k]))
-
-
 def _flops_per_iteration() -> float:
     args = _args("--train-iters", "4", world_size=2)
     return floating_point_operations(args, args.global_batch_size)
@@ -212,7 +193,7 @@ def test_bf16_no_load_optim_trains_on_from_the_loaded_weights(trained, tmp_path)
                    "--save", str(tmp_path / "after")])
     assert "training from iteration 4 to 5" in out
     # Step 5 ran at learning rate 0: it must have left the loaded weights as they were.
-    assert _same_weights(_iter_dir(trained, 4), _iter_dir(tmp_path / "after", 5), tmp_path) == []
+    assert launch.differing_tensors(_iter_dir(trained, 4), _iter_dir(tmp_path / "after", 5), tmp_path) == []
 
 
 @pytest.mark.slow
@@ -225,7 +206,7 @@ def test_a_release_tracker_loads_the_weights_only_at_iteration_0(trained, tmp_pa
     assert f"successfully loaded checkpoint from {release} [ t 1/1, p 1/1 ] at iteration 0 " in out
     assert "training from iteration 0 to 1" in out
     # No optimizer or scheduler state: step 1 at learning rate 0 kept the released weights (bf16 included).
-    assert _same_weights(_iter_dir(trained, 4), _iter_dir(tmp_path / "after", 1), tmp_path) == []
+    assert launch.differing_tensors(_iter_dir(trained, 4), _iter_dir(tmp_path / "after", 1), tmp_path) == []
 
 
 def _checkpoint_files(root: Path) -> list:

@@ -10,80 +10,30 @@ no requeue allowed (so only the in-process layer can have saved the run); gloo, 
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import re
 import signal
-import subprocess
-import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from megatron_resil import exit_codes
 from megatron_resil.arguments import parse_args
-from megatron_resil.events import EVENT_LOG_NAME
-from megatron_resil.rank_process import descendants_of
 
 try:
-    from tests import launch  # tests/ is a package
+    from tests import launch, reserves  # tests/ is a package
 except ImportError:  # pragma: no cover - tests/ on sys.path instead
     import launch
-
-RUN_LOCAL = launch.REPO / "scripts" / "run_local.sh"
-# Timeouts that leave a loaded 2-core host room (a kill is found by NVRx's monitor process, not by these).
-_INPROCESS = ["--inprocess-restart", "--inprocess-active-world-size", "2", "--inprocess-granularity", "rank",
-              "--inprocess-heartbeat-interval", "5", "--inprocess-heartbeat-timeout", "60",
-              "--inprocess-soft-timeout", "60", "--inprocess-hard-timeout", "90",
-              "--inprocess-barrier-timeout", "180", "--inprocess-completion-timeout", "180"]
-
-
-def _args(save: Path, *extra: str) -> list[str]:
-    return [*launch.TINY_MODEL, *launch.TINY_TRAINING, "--train-iters", "10", "--save", str(save),
-            "--load", str(save), "--save-interval", "4", *extra]
-
-
-def _events(save: Path) -> list[dict]:
-    path = save / EVENT_LOG_NAME
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-@contextlib.contextmanager
-def _running(save: Path, log: Path, max_restarts: int, extra: list[str] = ()) -> Iterator[subprocess.Popen]:
-    """run_local.sh with 3 processes, 2 of them training; on the way out (a failed assertion), it and every
-    process below it are killed: the workers are in sessions of their own."""
-    env = {**launch.env(standby=False), "NPROC_PER_NODE": "3", "MAX_RESTARTS": str(max_restarts),
-           "MAX_REQUEUES": "0", "RESIL_PYTHON": sys.executable}
-    with open(log, "w") as out:
-        run = subprocess.Popen(["bash", str(RUN_LOCAL), *_args(save, *_INPROCESS, *extra)], env=env,
-                               cwd=launch.REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        yield run
-    finally:
-        for pid in {run.pid} | descendants_of(run.pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        run.wait()
-
-
-def _wait_for(run: subprocess.Popen, log: Path, text: str) -> None:
-    """Until `text` is in the log, polling it: the event, however long it takes."""
-    while text not in log.read_text():
-        assert run.poll() is None, log.read_text()[-4000:]
-        time.sleep(0.2)
-
+    import reserves
 
 def _run(save: Path, log: Path, max_restarts: int, fault: list[str], stop_hung: int | None = None) -> str:
     """The run with `fault` injected at iteration 7 (after the checkpoint of 4, before that of 8: every way
     resumes from 4), to its end, which must be a success; its output. `stop_hung`: once the hang injected
     in that rank has struck, its process is stopped with SIGSTOP."""
-    with _running(save, log, max_restarts, [*fault, "--inject-fault-iteration", "7"]) as run:
+    with reserves.running(save, log, max_restarts, [*fault, "--inject-fault-iteration", "7"]) as run:
         if stop_hung is not None:
-            _wait_for(run, log, f"[resil] fault: injecting hang on rank {stop_hung} ")
-            [setup] = [e for e in _events(save) if e["event"] == "inprocess"]
+            reserves.wait_for(run, log, f"[resil] fault: injecting hang on rank {stop_hung} ")
+            [setup] = [e for e in reserves.events(save) if e["event"] == "inprocess"]
             os.kill(setup["pids"][stop_hung], signal.SIGSTOP)
         code = run.wait(timeout=600)
     out = log.read_text()
@@ -94,7 +44,7 @@ def _run(save: Path, log: Path, max_restarts: int, fault: list[str], stop_hung: 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> dict:
     """The losses of the same run with nothing lost (torchrun, 2 ranks)."""
-    reference = launch.run(_args(tmp_path_factory.mktemp("uninterrupted") / "ckpt"))
+    reference = launch.run(reserves.args(tmp_path_factory.mktemp("uninterrupted") / "ckpt"))
     assert reference.returncode == 0, reference.stdout[-4000:]
     return launch.losses(reference.stdout)
 
@@ -106,7 +56,7 @@ def test_a_reserve_takes_the_place_of_rank_0_killed_and_the_run_ends_as_if_unint
     # Rank 0's process kills itself with SIGKILL; it would be the stores' host, were the ranks hosting them.
     save = tmp_path / "ckpt"
     out = _run(save, tmp_path / "run.log", 0, ["--inject-fault", "kill", "--inject-fault-ranks", "0"])
-    events = _events(save)
+    events = reserves.events(save)
     [setup] = [e for e in events if e["event"] == "inprocess"]
     assert setup["reserves"] == 1 and len(setup["pids"]) == 2, setup
     assert "stores hosted by the launcher" in setup["message"], setup["message"]
@@ -146,7 +96,7 @@ def test_a_stopped_rank_is_terminated_and_its_place_taken_and_the_run_ends_as_if
     fault = ["--inject-fault", "hang", "--inject-fault-ranks", "1",
              "--inprocess-soft-timeout", "15", "--inprocess-hard-timeout", "30"]
     out = _run(save, tmp_path / "run.log", 1, fault, stop_hung=1)
-    [setup] = [e for e in _events(save) if e["event"] == "inprocess"]
+    [setup] = [e for e in reserves.events(save) if e["event"] == "inprocess"]
     stopped = setup["pids"][1]
     assert out.count(f"[resil] ft_launcher: rank 1 (pid {stopped}) was killed") == 1, out[-6000:]
     restarts = [line for line in out.splitlines() if line.startswith("[resil] restart:")]
@@ -154,7 +104,7 @@ def test_a_stopped_rank_is_terminated_and_its_place_taken_and_the_run_ends_as_if
                          or "worker group restart 1 of at most 1" in restarts[-1]), restarts
     after = out.split(restarts[-1], 1)[1]
     assert launch.losses(after) == {i: uninterrupted[i] for i in range(5, 11)}
-    assert [e["iteration"] for e in _events(save) if e["event"] == "finished"] == [10]
+    assert [e["iteration"] for e in reserves.events(save) if e["event"] == "finished"] == [10]
 
 
 @pytest.mark.slow
@@ -174,9 +124,9 @@ def test_with_more_ranks_lost_than_reserves_in_process_restarts_end_and_the_laun
     # ft_launcher's in-job restart, after the in-process layer's
     restarts = [line for line in out.splitlines() if line.startswith("[resil] restart:")]
     assert restarts[-1].startswith("[resil] restart: worker group restart 1 of at most 1"), restarts
-    exits = [e["exit_code"] for e in _events(save) if e["event"] == "exit"]
+    exits = [e["exit_code"] for e in reserves.events(save) if e["event"] == "exit"]
     assert exits == [exit_codes.RESERVES_USED_UP], exits  # then the restarted ranks finished
-    assert [e["iteration"] for e in _events(save) if e["event"] == "finished"] == [10]
+    assert [e["iteration"] for e in reserves.events(save) if e["event"] == "finished"] == [10]
     assert launch.losses(out.split(restarts[-1], 1)[1]) == {i: uninterrupted[i] for i in range(5, 11)}
 
 

@@ -51,6 +51,12 @@ FLAGS = (
          "place of a rank whose process is lost, at the next in-process restart. Default: the world size"),
     Flag("--inprocess-empty-cuda-cache",
          help="release cached GPU memory between attempts (nothing to do on CPU)"),
+    # Ours, not Megatron-LM's (docs/failures.md, "Same-step recovery").
+    Flag("--recover-from-replicas",
+         help="after an in-process restart, go on at the interrupted iteration with no checkpoint read: the "
+              "surviving ranks keep their state, and a rank that lost it (a warm reserve in a lost rank's "
+              "place) receives it from a data-parallel replica, checked tensor by tensor; where no replica "
+              "holds it, the newest checkpoint is loaded, with the reason. Needs --inprocess-restart"),
 )
 
 
@@ -84,6 +90,9 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     """`world_size`: the training world (training_world_size)."""
     if args.inprocess_active_world_size is None:
         args.inprocess_active_world_size = world_size
+    if args.recover_from_replicas and not args.inprocess_restart:
+        raise ArgumentError("--recover-from-replicas needs --inprocess-restart: only an in-process restart "
+                            "keeps the surviving ranks' processes, and their state, today")
     if not args.inprocess_restart:
         return
     value = {name: getattr(args, f"inprocess_{name}") for name in _POSITIVE + _NON_NEGATIVE}

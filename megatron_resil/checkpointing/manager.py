@@ -89,11 +89,14 @@ class CheckpointManager:
     def __init__(self, config: CheckpointConfig, model: list, optimizer, scheduler,
                  args: argparse.Namespace, on_staged: Callable[[int], None] | None = None,
                  params_in_sync: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 may_publish: Callable[[], bool] | None = None) -> None:
+                 may_publish: Callable[[], bool] | None = None,
+                 on_loaded: Callable[[TrainProgress], None] | None = None) -> None:
         """`model`: this rank's model chunks (megatron-core DDP modules). What the layers above hand in:
         `on_staged`, fault injection's hook point inside a save; `params_in_sync`, the optimizer's context
         in which the model holds the parameters the last step produced; `may_publish`, asked before a
-        global tier publishes (False: the save is withheld, PublishWithheld, for the trainer to decide)."""
+        global tier publishes (False: the save is withheld, PublishWithheld, for the trainer to decide);
+        `on_loaded`, told where the state stands after every load (replica recovery's commit)."""
+        self.on_loaded = on_loaded
         self.config = config
         self.model, self.optimizer, self.scheduler, self.args = model, optimizer, scheduler, args
         self.params_in_sync = params_in_sync
@@ -205,6 +208,8 @@ class CheckpointManager:
         if progress.iteration and result.candidate.tier == "persistent" and \
                 _same_dir(self.config.load, self.config.save):
             self.last_saved_iteration = progress.iteration  # already on disk; don't re-save it
+        if self.on_loaded is not None:
+            self.on_loaded(progress)
         return progress
 
     @staticmethod

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from megatron_resil import events, exit_codes, parallel
 from megatron_resil.rank_process import AGENT_STORE_ENV
+from megatron_resil.resilience import replica_recovery, restart_phases
 
 with warnings.catch_warnings():  # NVRx's pynvml deprecation warning is noise on every rank
     warnings.simplefilter("ignore")
@@ -219,6 +220,8 @@ class Attempts:
             self._log_setup(pids)
         else:
             self._log_restart(attempt, pids)
+        replica_recovery.generation = attempt  # from the second attempt on, what the ranks kept may serve
+        restart_phases.inprocess_attempt(attempt)
         with parallel.attempt_store(dist.PrefixStore(f"attempt{attempt}", self.store)):
             try:
                 return self.pretrain(copy.deepcopy(self.args))  # nothing an attempt changes reaches the next
@@ -288,6 +291,12 @@ class Attempts:
                                        f"{a.inprocess_heartbeat_timeout:g} s",
         }.get(interruption, f"was interrupted ({interruption.name})")
 
+    def _from_where(self) -> str:
+        if self.args.recover_from_replicas:
+            return ("at the interrupted iteration where replicas hold every rank's state "
+                    "(--recover-from-replicas), else from the newest checkpoint")
+        return "from the newest checkpoint"
+
     def _limit_text(self) -> str:
         limit = self.args.inprocess_max_iterations
         return (f"at most {limit} attempts in all (--inprocess-max-iterations)" if limit is not None else
@@ -304,7 +313,7 @@ class Attempts:
                  f"{a.world_size}) to take the place of a rank whose process is lost" if reserves > 0 else
                  "; no warm reserve: a rank whose process is lost ends the in-process restarts")
         events.decision("inprocess", "in-process restart on: a failure on any rank restarts training on "
-                        "every rank in the same processes, from the newest checkpoint; "
+                        f"every rank in the same processes, {self._from_where()}; "
                         f"{self._limit_text()}; soft timeout {a.inprocess_soft_timeout:g} s, hard timeout "
                         f"{a.inprocess_hard_timeout:g} s{spare}; stores hosted {self.stores_hosted}{checks}",
                         pids=pids, max_iterations=a.inprocess_max_iterations, reserves=max(reserves, 0),
@@ -324,7 +333,7 @@ class Attempts:
         same += "".join(f"; {text}" for text in taken)
         since = f" ({time.time() - failure.unix:.1f} s after the failure)" if failure.unix else ""
         events.decision("restart", f"in-process restart {attempt}{bound}: {failure.text}; every rank trains "
-                        f"again in {same}, from the newest checkpoint{since}",
+                        f"again in {same}, {self._from_where()}{since}",
                         count=attempt, kind="inprocess", max_restarts=None if limit is None else limit - 1,
                         reason=failure.text, failed_ranks=list(failure.ranks), failed_unix=failure.unix,
                         pids=pids)

@@ -64,13 +64,26 @@ _LAUNCHER_LINE_HOST = re.compile(
     r"\[workload:\S* infra:([^(\]]*)\([^)]*\)\] \S+:\d+ (.*)$", re.MULTILINE)
 
 _attempts_in_process = 0
+_inprocess_attempt = 0  # the in-process restart's attempt (a warm reserve's first may be the second)
+_attempt_details: dict = {}  # what the attempt itself says of its way (same-step recovery)
 _recorded = True  # nothing to record before an attempt starts
+
+
+def inprocess_attempt(number: int) -> None:
+    """The in-process restart's attempt `number` is about to start in this process."""
+    global _inprocess_attempt
+    _inprocess_attempt = number
+
+
+def attempt_detail(name: str, value) -> None:
+    _attempt_details[name] = value
 
 
 def attempt_started() -> None:
     """pretrain() entered: a new attempt's marks begin."""
     global _attempts_in_process, _recorded
     _attempts_in_process += 1
+    _attempt_details.clear()
     phase_marks.new_attempt()
     _recorded = False
     phase_marks.mark("imported")
@@ -98,8 +111,10 @@ def iteration_taken() -> None:
 def measure() -> dict:
     """The record for this attempt, from its marks, the event log, /proc and the launcher's log."""
     marks = {name: None for name in BOUNDARIES} | phase_marks.attempt_marks()
-    details: dict[str, float | str | None] = {}
-    first_in_process = _attempts_in_process == 1
+    details: dict[str, float | str | None] = dict(_attempt_details)
+    # The process's first attempt, and not a warm reserve's first under an in-process restart (whose time
+    # since the fault is all in this process too)
+    first_in_process = _attempts_in_process == 1 and _inprocess_attempt == 0
     if first_in_process:
         # the process the launcher started, not a fork of a standby
         marks["spawned"] = rank_process.started_unix(rank_process.launched_pid())

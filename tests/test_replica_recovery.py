@@ -1,0 +1,208 @@
+"""Same-step recovery (--recover-from-replicas): after an in-process restart, training goes on at the
+interrupted iteration with no checkpoint read. The survivors keep their state in memory, and a warm reserve
+in a lost rank's place receives it from a data-parallel replica, every tensor checked.
+
+The runs are real: scripts/run_local.sh with 3 processes (2 training, 1 warm reserve) on loopback, gloo, a
+tiny GPT, no in-job restart and no requeue allowed. Faults are injected before iteration 7, after the
+checkpoint of 4: a recovery that read it would log iterations 5 and 6 twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_resil.arguments import parse_args
+from megatron_resil.progress import TrainProgress
+from megatron_resil.resilience import replica_recovery
+from megatron_resil.resilience.replica_recovery import FallBack, Kept, plan
+
+try:
+    from tests import launch, reserves  # tests/ is a package
+except ImportError:  # pragma: no cover - tests/ on sys.path instead
+    import launch
+    import reserves
+
+_ITERATION = re.compile(r"^ \[[^\]]*\] iteration\s+(\d+)/", re.MULTILINE)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> tuple[dict, Path]:
+    """The losses and the final checkpoint of the same run with nothing lost (torchrun, 2 ranks)."""
+    save = tmp_path_factory.mktemp("uninterrupted") / "ckpt"
+    reference = launch.run(reserves.args(save))
+    assert reference.returncode == 0, reference.stdout[-4000:]
+    return launch.losses(reference.stdout), save
+
+
+def _run(save: Path, log: Path, fault: list[str], env: dict[str, str] | None = None) -> str:
+    with reserves.running(save, log, 0, [*fault, "--inject-fault-iteration", "7", "--recover-from-replicas"],
+                          env=env) as run:
+        code = run.wait(timeout=600)
+    out = log.read_text()
+    assert code == 0, out[-6000:]
+    return out
+
+
+def _recovery_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("[resil] recovery:")]
+
+
+@pytest.mark.slow
+@pytest.mark.compat
+def test_a_reserve_in_killed_rank_0s_place_receives_its_state_and_training_goes_on_at_the_same_iteration(
+        uninterrupted, tmp_path):
+    losses, reference = uninterrupted
+    save = tmp_path / "ckpt"
+    out = _run(save, tmp_path / "run.log", ["--inject-fault", "kill", "--inject-fault-ranks", "0"])
+    events = reserves.events(save)
+    lines = _recovery_lines(out)
+    assert lines[0].startswith("[resil] recovery: same-step recovery on"), lines
+    assert len(lines) == 2 and lines[1].startswith(
+        "[resil] recovery: same-step recovery at iteration 6: rank 0 receives its state from rank 1 ("), lines
+    assert "no checkpoint read; training goes on at iteration 7" in lines[1]
+    [recovered] = [e for e in events if e["event"] == "recovery" and "iteration" in e]
+    assert recovered["receivers"] == [0] and recovered["tensors"] > 0, recovered
+
+    # No checkpoint was read (the checkpoint of 4 was there), every iteration was taken once, and each
+    # loss is the uninterrupted run's.
+    assert [e for e in events if e["event"] == "loaded"] == []
+    assert [int(i) for i in _ITERATION.findall(out)] == list(range(1, 11)), _ITERATION.findall(out)
+    assert launch.losses(out) == losses
+    # The end state, bit for bit: weights, the optimizer's moments and the RNG states in the final save.
+    assert launch.differing_tensors(save / "iter_0000010", reference / "iter_0000010", tmp_path,
+                                    weights_only=False) == []
+    # The restart's phases: the reserve's attempt is an in-process one, and its "load" is the transfer.
+    phases = [e for e in events if e["event"] == "restart_phases"]
+    assert phases[-1]["kind"] == "in-process restart" and phases[-1]["details"]["same_step"], phases[-1]
+
+
+@pytest.mark.slow
+def test_a_rank_that_raised_keeps_its_state_and_nothing_is_sent(uninterrupted, tmp_path):
+    losses, _ = uninterrupted
+    save = tmp_path / "ckpt"
+    out = _run(save, tmp_path / "run.log", ["--inject-fault", "exception", "--inject-fault-ranks", "1"])
+    lines = _recovery_lines(out)
+    assert len(lines) == 2 and "same-step recovery at iteration 6: no rank had lost its state (0.0 MB in 0 " \
+        "tensors" in lines[1], lines
+    assert [e for e in reserves.events(save) if e["event"] == "loaded"] == []
+    assert [int(i) for i in _ITERATION.findall(out)] == list(range(1, 11))
+    assert launch.losses(out) == losses
+
+
+@pytest.mark.slow
+def test_a_transfer_that_fails_its_check_falls_back_to_the_newest_checkpoint_with_the_reason(uninterrupted,
+                                                                                            tmp_path):
+    """The sender flips a byte of the first tensor it sends (a test hook): the receiver's checksum finds it,
+    and every rank loads the checkpoint of 4 instead; the run still ends as if uninterrupted."""
+    losses, _ = uninterrupted
+    save = tmp_path / "ckpt"
+    out = _run(save, tmp_path / "run.log", ["--inject-fault", "kill", "--inject-fault-ranks", "0"],
+               env={replica_recovery.CORRUPT_TRANSFER_ENV: "1"})
+    lines = _recovery_lines(out)
+    assert len(lines) == 2 and lines[1].startswith(
+        "[resil] recovery: same-step recovery not possible: a transfer failed its check (rank 0: tensor 0 of "
+        "the state from rank 1 (state.model[0].embedding.word_embeddings.weight) does not match its "
+        "checksum); every rank loads the newest checkpoint instead"), lines
+    events = reserves.events(save)
+    assert [e["iteration"] for e in events if e["event"] == "loaded"] == [4]
+    assert launch.losses(out.split(lines[1], 1)[1]) == {i: losses[i] for i in range(5, 11)}
+
+
+def _parse(*extra: str, world_size: int = 2) -> argparse.Namespace:
+    return parse_args([*launch.TINY_MODEL, "--micro-batch-size", "2", "--train-iters", "10", "--lr", "1e-3",
+                       "--mock-data", *extra], world_size=world_size)
+
+
+def test_recover_from_replicas_without_inprocess_restart_is_one_line_and_exit_2(capsys):
+    with pytest.raises(SystemExit) as stop:
+        _parse("--recover-from-replicas")
+    assert stop.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.endswith("--recover-from-replicas needs --inprocess-restart: only an in-process restart "
+                         "keeps the surviving ranks' processes, and their state, today"), line
+
+
+@pytest.mark.parametrize(("flags", "world_size", "why"), [
+    ((), 2, None),
+    ((), 1, "data-parallel size 1: no other rank holds a copy"),
+    (("--tensor-model-parallel-size", "2"), 2, "data-parallel size 1"),
+    (("--use-distributed-optimizer",), 2, "the distributed optimizer with 1 instance shards"),
+])
+def test_the_layouts_where_no_replica_holds_a_ranks_state_are_named_at_start_up(flags, world_size, why):
+    args = _parse("--inprocess-restart", "--recover-from-replicas", *flags, world_size=world_size)
+    said = replica_recovery.arm(args)
+    assert (said is None) if why is None else said.startswith(why), said
+
+
+def _row(iteration: int, digest: int = 7, tp: int = 0, suspect: int = 0) -> list[int]:
+    return [iteration, suspect, 0, tp, 0, digest]
+
+
+def test_a_rank_behind_receives_from_the_lowest_replica_at_the_newest_iteration():
+    # rank 0: a reserve (nothing); rank 2: one step behind (had not committed the interrupted step)
+    assert plan([_row(-1, 0), _row(6), _row(5, 3), _row(6)]) == (6, [(1, 0), (1, 2)])
+    assert plan([_row(6), _row(6)]) == (6, [])
+    # two shards (tensor ranks 0 and 1), each with its own source
+    assert plan([_row(-1, 0, tp=0), _row(-1, 0, tp=1), _row(6, 1, tp=0), _row(6, 2, tp=1)]) == \
+        (6, [(2, 0), (3, 1)])
+
+
+@pytest.mark.parametrize(("table", "why"), [
+    ([_row(-1, 0), _row(-1, 0)], "no rank holds a committed step"),
+    ([_row(-1, 0, tp=0), _row(6, tp=1), _row(5, tp=0), _row(6, tp=1)],
+     "no live replica of the shard at pipeline rank 0, tensor rank 0, context rank 0 holds iteration 6"),
+    ([_row(6, 1), _row(6, 2), _row(-1, 0)], "the replicas [0, 1] of one shard hold different models"),
+    ([_row(6), _row(6, suspect=1)], "the state of rank 1 is suspect"),
+])
+def test_each_case_no_live_replica_can_serve_falls_back_with_its_reason(table, why):
+    with pytest.raises(FallBack, match=re.escape(why)):
+        plan(table)
+
+
+def _kept() -> Kept:
+    state = {"step": torch.tensor(3.0), "exp_avg": torch.randn(4, 3, dtype=torch.bfloat16)}
+    return Kept(6, [{"w": torch.randn(4, 3), "b": torch.arange(3), "_extra_state": None}],
+                {"state": {0: state},
+                 "param_groups": [{"params": [0], "betas": (0.9, 0.95), "lr": float("nan")}]},
+                {"num_steps": 24, "max_lr": 1e-3},
+                {"random_rng_state": (3, tuple(range(625)), None),
+                 "np_rng_state": ("MT19937", np.arange(624, dtype=np.uint32), 624, 0, 0.0),
+                 "torch_rng_state": torch.get_rng_state()},
+                TrainProgress(6, 24, 0, 0, 1.5e9))
+
+
+def test_the_wire_format_carries_a_ranks_state_exactly_and_unpickles_nothing():
+    kept = _kept()
+    header, tensors = replica_recovery._encode(kept)
+    assert [e["path"] for e in header["tensors"]][:2] == ["state.model[0].w", "state.model[0].b"]
+    got = replica_recovery._decode(header["skeleton"], [t.clone() for t in tensors])
+    assert got.iteration == 6 and got.progress == kept.progress and got.scheduler == kept.scheduler
+    assert torch.equal(got.model[0]["w"], kept.model[0]["w"]) and got.model[0]["_extra_state"] is None
+    assert list(got.optimizer["state"]) == [0]  # integer keys stay integers
+    assert torch.equal(got.optimizer["state"][0]["exp_avg"], kept.optimizer["state"][0]["exp_avg"])
+    assert got.optimizer["param_groups"][0]["betas"] == (0.9, 0.95)
+    assert got.rng["random_rng_state"] == kept.rng["random_rng_state"]
+    assert got.rng["np_rng_state"][1].dtype == np.uint32
+    assert np.array_equal(got.rng["np_rng_state"][1], kept.rng["np_rng_state"][1])
+
+
+@pytest.mark.parametrize("skeleton", [
+    {"p": []}, {"t": 99}, {"t": True}, {"l": {"a": 1}}, {"d": [[{"v": 1.5}, {"v": 1}]]}, {"v": [1]},
+    {"n": 0, "dtype": "object"}, {"v": 1, "t": 0, "x": 2},
+])
+def test_a_malformed_header_is_a_fallback_never_an_object(skeleton):
+    with pytest.raises(FallBack, match="malformed header"):
+        replica_recovery._decode(skeleton, [torch.zeros(1)])
+
+
+def test_what_cannot_be_sent_as_plain_values_and_tensors_is_a_fallback():
+    kept = _kept()
+    kept.scheduler["callback"] = print
+    with pytest.raises(FallBack, match=r"scheduler.callback: a builtin_function_or_method cannot be sent"):
+        replica_recovery._encode(kept)
