@@ -10,7 +10,9 @@ checkpoint of 4: a recovery that read it would log iterations 5 and 6 twice.
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -80,6 +82,35 @@ def test_a_reserve_in_killed_rank_0s_place_receives_its_state_and_training_goes_
     # The restart's phases: the reserve's attempt is an in-process one, and its "load" is the transfer.
     phases = [e for e in events if e["event"] == "restart_phases"]
     assert phases[-1]["kind"] == "in-process restart" and phases[-1]["details"]["same_step"], phases[-1]
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_is_terminated_and_the_reserve_in_its_place_goes_on_at_the_same_iteration(
+        uninterrupted, tmp_path):
+    """Rank 1 hangs before iteration 7 and its process is then stopped with SIGSTOP. NVRx finds it at the
+    soft timeout and terminates it at the hard timeout (90 s). Rank 0 is blocked in the gradients'
+    reduction with it, which gloo cannot abort: its collective times out first (--distributed-timeout-minutes
+    1, below the hard timeout), so it survives with its state, and the reserve receives rank 1's from it."""
+    losses, _ = uninterrupted
+    save, log = tmp_path / "ckpt", tmp_path / "run.log"
+    fault = ["--inject-fault", "hang", "--inject-fault-ranks", "1", "--inject-fault-iteration", "7",
+             "--recover-from-replicas", "--distributed-timeout-minutes", "1",
+             "--inprocess-soft-timeout", "15", "--inprocess-hard-timeout", "90"]
+    with reserves.running(save, log, 0, fault) as run:
+        reserves.wait_for(run, log, "[resil] fault: injecting hang on rank 1 ")
+        [setup] = [e for e in reserves.events(save) if e["event"] == "inprocess"]
+        os.kill(setup["pids"][1], signal.SIGSTOP)
+        code = run.wait(timeout=600)
+    out = log.read_text()
+    assert code == 0, out[-6000:]
+    restarts = [line for line in out.splitlines() if line.startswith("[resil] restart:")]
+    assert len(restarts) == 1 and "rank 1 made no progress for --inprocess-soft-timeout 15 s" in restarts[0]
+    lines = _recovery_lines(out)
+    assert len(lines) == 2 and lines[1].startswith(
+        "[resil] recovery: same-step recovery at iteration 6: rank 1 receives its state from rank 0 ("), lines
+    assert [e for e in reserves.events(save) if e["event"] == "loaded"] == []
+    assert [int(i) for i in _ITERATION.findall(out)] == list(range(1, 11))
+    assert launch.losses(out) == losses
 
 
 @pytest.mark.slow
