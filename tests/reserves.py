@@ -42,10 +42,11 @@ def events(save: Path) -> list[dict]:
 
 @contextlib.contextmanager
 def running(save: Path, log: Path, max_restarts: int, extra: list[str] = (),
-            env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
-    """run_local.sh with 3 processes, 2 of them training; on the way out (a failed assertion), it and every
-    process below it are killed: the workers are in sessions of their own. `env`: added to the processes'."""
-    env = {**launch.env(standby=False), "NPROC_PER_NODE": "3", "MAX_RESTARTS": str(max_restarts),
+            env: dict[str, str] | None = None, processes: int = 3) -> Iterator[subprocess.Popen]:
+    """run_local.sh with 3 processes (or `processes`), 2 of them training; on the way out (a failed
+    assertion), it and every process below it are killed: the workers are in sessions of their own. `env`:
+    added to the processes'."""
+    env = {**launch.env(standby=False), "NPROC_PER_NODE": str(processes), "MAX_RESTARTS": str(max_restarts),
            "MAX_REQUEUES": "0", "RESIL_PYTHON": sys.executable, **(env or {})}
     with open(log, "w") as out:
         run = subprocess.Popen(["bash", str(RUN_LOCAL), *args(save, *INPROCESS, *extra)], env=env,

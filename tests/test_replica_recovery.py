@@ -42,9 +42,10 @@ def uninterrupted(tmp_path_factory) -> tuple[dict, Path]:
     return launch.losses(reference.stdout), save
 
 
-def _run(save: Path, log: Path, fault: list[str], env: dict[str, str] | None = None) -> str:
+def _run(save: Path, log: Path, fault: list[str], env: dict[str, str] | None = None,
+         processes: int = 3) -> str:
     with reserves.running(save, log, 0, [*fault, "--inject-fault-iteration", "7", "--recover-from-replicas"],
-                          env=env) as run:
+                          env=env, processes=processes) as run:
         code = run.wait(timeout=600)
     out = log.read_text()
     assert code == 0, out[-6000:]
@@ -143,6 +144,28 @@ def test_a_transfer_that_fails_its_check_falls_back_to_the_newest_checkpoint_wit
     events = reserves.events(save)
     assert [e["iteration"] for e in events if e["event"] == "loaded"] == [4]
     assert launch.losses(out.split(lines[1], 1)[1]) == {i: losses[i] for i in range(5, 11)}
+
+
+@pytest.mark.slow
+def test_a_receiver_killed_during_the_recovery_is_replaced_by_the_next_reserve_at_the_same_iteration(
+        uninterrupted, tmp_path):
+    """A second fault during the recovery: the reserve in rank 0's place is killed with SIGKILL once it has
+    the header of rank 0's state (a test hook). The sender's transfer fails, the next in-process restart
+    puts the second reserve in rank 0's place, and it receives the state; rank 1 kept its own throughout."""
+    losses, _ = uninterrupted
+    save = tmp_path / "ckpt"
+    out = _run(save, tmp_path / "run.log", ["--inject-fault", "kill", "--inject-fault-ranks", "0"],
+               env={replica_recovery.DIE_RECEIVING_ENV: str(tmp_path / "died")}, processes=4)
+    assert out.count("[resil] fault: rank 0 is killed while it receives its state") == 1, out[-6000:]
+    restarts = [line for line in out.splitlines() if line.startswith("[resil] restart:")]
+    assert len(restarts) == 2 and restarts[1].startswith(
+        "[resil] restart: in-process restart 2 of at most 3: rank 0 ended (its process is gone)"), restarts
+    lines = _recovery_lines(out)
+    assert len(lines) == 2 and lines[1].startswith(
+        "[resil] recovery: same-step recovery at iteration 6: rank 0 receives its state from rank 1 ("), lines
+    assert [e for e in reserves.events(save) if e["event"] == "loaded"] == []
+    assert [int(i) for i in _ITERATION.findall(out)] == list(range(1, 11))
+    assert launch.losses(out) == losses
 
 
 def _parse(*extra: str, world_size: int = 2) -> argparse.Namespace:

@@ -34,6 +34,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import signal
 import time
 
 import numpy as np
@@ -45,8 +46,11 @@ from megatron_resil import events, parallel, phase_marks
 from megatron_resil.progress import TrainProgress
 from megatron_resil.resilience import restart_phases
 
-# Test hook: the sender of a transfer flips one byte of the first tensor it sends, after its checksum.
+# Test hooks. The sender of a transfer flips one byte of the first tensor it sends, after its checksum. A
+# receiver kills its own process with SIGKILL once it has the header, if the file this names does not exist
+# yet (it creates it first, so the fault strikes once in the job).
 CORRUPT_TRANSFER_ENV = "RESIL_TEST_CORRUPT_REPLICA_TRANSFER"
+DIE_RECEIVING_ENV = "RESIL_TEST_DIE_RECEIVING_REPLICA_STATE"
 _MAX_HEADER_BYTES = 64 << 20
 _MAX_TENSORS = 1 << 20
 _SLACK_BYTES = 64 << 20
@@ -256,6 +260,8 @@ def _exchange(transfers: list[tuple[int, int]], rank: int, own: Kept | None, mod
                 why, received = f"rank {rank}: the header from rank {src}: {err}", {"src": src, "bad": True}
     if (why := _first_reason(why)) is not None:
         raise FallBack(why)
+    if received is not None:
+        _die_once_if_told()
     tensors: list[torch.Tensor] = []
     for src, dst in transfers:
         if rank == src:
@@ -280,6 +286,19 @@ def _exchange(transfers: list[tuple[int, int]], rank: int, own: Kept | None, mod
             raise FallBack(f"rank {rank}: tensor {i} of the state from rank {received['src']} "
                            f"({entry['path']}) does not match its checksum")
     return _decode(received["header"]["skeleton"], tensors)
+
+
+def _die_once_if_told() -> None:
+    marker = os.environ.get(DIE_RECEIVING_ENV)
+    if marker:
+        try:
+            fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileExistsError:
+            return
+        os.close(fd)
+        print(f"[resil] fault: rank {parallel.rank()} is killed while it receives its state "
+              f"({DIE_RECEIVING_ENV})", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _limit_bytes(model: list) -> int:
