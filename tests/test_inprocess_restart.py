@@ -148,12 +148,11 @@ def test_bad_inprocess_flags_end_in_one_line_and_exit_2(tmp_path, capsys, extra,
     assert all(name in err[0] for name in names), err[0]
 
 
-def test_inprocess_restart_with_the_ft_package_is_rejected(tmp_path, capsys, monkeypatch):
+def test_inprocess_restart_nests_inside_the_ft_package_as_in_megatron(tmp_path, monkeypatch):
+    """Accepted together (their runs: tests/test_warm_reserve.py's ladder, tests/test_replica_recovery.py)."""
     monkeypatch.setenv("FT_RANK_MONITOR_IPC_SOCKET", str(tmp_path / "socket"))  # as under ft_launcher
-    with pytest.raises(SystemExit) as exc:
-        _parse(tmp_path, "--inprocess-restart", "--enable-ft-package")
-    assert exc.value.code == 2
-    assert "--inprocess-restart with --enable-ft-package is not supported" in capsys.readouterr().err
+    args = _parse(tmp_path, "--inprocess-restart", "--enable-ft-package")
+    assert args.inprocess_restart and args.enable_ft_package
 
 
 def test_without_the_flag_nvrx_inprocess_is_never_imported():

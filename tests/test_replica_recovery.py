@@ -118,7 +118,11 @@ def test_a_stopped_rank_is_terminated_and_the_reserve_in_its_place_goes_on_at_th
 def test_a_rank_that_raised_keeps_its_state_and_nothing_is_sent(uninterrupted, tmp_path):
     losses, _ = uninterrupted
     save = tmp_path / "ckpt"
-    out = _run(save, tmp_path / "run.log", ["--inject-fault", "exception", "--inject-fault-ranks", "1"])
+    # Nested inside ft_launcher's in-job restart (--enable-ft-package): each attempt's rank monitor client
+    # connects afresh, and the monitoring decisions are said once.
+    out = _run(save, tmp_path / "run.log", ["--inject-fault", "exception", "--inject-fault-ranks", "1",
+                                            "--enable-ft-package"])
+    assert out.count("[resil] ft: hang detection on:") == 1, out[-6000:]
     lines = _recovery_lines(out)
     assert len(lines) == 2 and "same-step recovery at iteration 6: no rank had lost its state (0.0 MB in 0 " \
         "tensors" in lines[1], lines

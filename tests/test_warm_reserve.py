@@ -113,9 +113,13 @@ def test_with_more_ranks_lost_than_reserves_in_process_restarts_end_and_the_laun
         uninterrupted, tmp_path):
     """The ladder: both training ranks' processes are killed and one reserve is left, so the in-process
     layer gives up (exit code 10, said once: the state is sound, processes are missing) and the launcher's
-    in-job restart starts every rank again; the run finishes as if uninterrupted."""
+    in-job restart starts every rank again; the run finishes as if uninterrupted. With
+    --enable-ft-package, as Megatron-LM nests the in-process restarts inside ft_launcher's."""
     save = tmp_path / "ckpt"
-    out = _run(save, tmp_path / "run.log", 1, ["--inject-fault", "kill", "--inject-fault-ranks", "0,1"])
+    out = _run(save, tmp_path / "run.log", 1, ["--inject-fault", "kill", "--inject-fault-ranks", "0,1",
+                                                "--enable-ft-package"])
+    [setup] = [e for e in reserves.events(save) if e["event"] == "inprocess"][:1]
+    assert "nested inside ft_launcher's in-job restart (--enable-ft-package)" in setup["message"], setup
     ended = [line for line in out.splitlines() if line.startswith("[resil] inprocess: no warm reserve left")]
     assert len(ended) == 1 and "exiting with code 10" in ended[0], out[-6000:]
     # No rank ends in a traceback (torch's error handler prefixes each line with the rank); NVRx 0.7 logs

@@ -117,7 +117,5 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
                                 f"({value[larger]:g}); NVRx needs soft timeout < hard timeout < barrier "
                                 "timeout, heartbeat interval < heartbeat timeout < barrier timeout, and "
                                 "every interval below the soft timeout")
-    if args.enable_ft_package:
-        raise ArgumentError("--inprocess-restart with --enable-ft-package is not supported: Megatron nests "
-                            "the in-process restarter inside ft_launcher's, which is not wired here; use one "
-                            "of the two")
+    # With --enable-ft-package the in-process restarts nest inside ft_launcher's in-job restart, as in
+    # Megatron-LM: each attempt connects to the rank's monitor afresh (resilience/fault_tolerance.py).

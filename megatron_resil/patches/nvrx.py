@@ -128,9 +128,9 @@ def _keep_survivors_of_a_lost_rank() -> None:
             del context._failures[local_rank]
             rank = worker_group.workers[local_rank].global_rank
             print(f"[resil] ft_launcher: rank {rank} (pid {failure.pid}) was killed (exit code "
-                  f"{failure.exitcode}); --inprocess-restart: the other {len(running)} rank processes go on, "
-                  "and a warm reserve takes its place or the in-process restarts end", file=sys.stderr,
-                  flush=True)
+                  f"{failure.exitcode}); --inprocess-restart: the other {len(running)} rank "
+                  f"{'process goes' if len(running) == 1 else 'processes go'} on, and a warm reserve takes "
+                  "its place or the in-process restarts end", file=sys.stderr, flush=True)
         return RunResult(state=WorkerState.HEALTHY)
 
     launcher.LocalElasticAgent._monitor_workers = monitor_leaving_survivors

@@ -32,6 +32,7 @@ _TIMEOUTS_KEY = "current_timeouts"  # RankMonitorClient.state_dict()'s one key
 # Heartbeats only bound the gaps between phases (see _describe); more than one a second buys nothing and
 # each costs an IPC round trip to the monitor.
 _HEARTBEAT_MIN_INTERVAL_SECS = 1.0
+_setup_said = False  # this process logged the monitoring decisions (once, whatever the attempts)
 
 
 def report_restart() -> None:
@@ -207,9 +208,13 @@ class MonitoredRank(FaultTolerance):
 
     # ---- the hooks -------------------------------------------------------------------------------
     def log_setup(self) -> None:
-        for message in self._decisions:
+        global _setup_said
+        decisions, self._decisions = self._decisions, []
+        if _setup_said:  # an in-process restart's next attempt: the same monitor, said once per process
+            return
+        _setup_said = True
+        for message in decisions:
             events.decision("ft", message)
-        self._decisions = []
         events.decision("ft", self._describe())
         if self.client.cfg.enable_nic_monitor:
             events.decision("ft", "ft_launcher's NIC monitor is on: its command-line default (true) "

@@ -291,6 +291,13 @@ class Attempts:
                                        f"{a.inprocess_heartbeat_timeout:g} s",
         }.get(interruption, f"was interrupted ({interruption.name})")
 
+    def _nesting(self) -> str:
+        if not self.args.enable_ft_package:
+            return ""
+        return ("; nested inside ft_launcher's in-job restart (--enable-ft-package): when the in-process "
+                "restarts end, the launcher starts every rank again, and its rank monitors time each attempt "
+                "afresh, so keep --inprocess-soft-timeout below their section and heartbeat timeouts")
+
     def _from_where(self) -> str:
         if self.args.recover_from_replicas:
             return ("at the interrupted iteration where replicas hold every rank's state "
@@ -315,7 +322,8 @@ class Attempts:
         events.decision("inprocess", "in-process restart on: a failure on any rank restarts training on "
                         f"every rank in the same processes, {self._from_where()}; "
                         f"{self._limit_text()}; soft timeout {a.inprocess_soft_timeout:g} s, hard timeout "
-                        f"{a.inprocess_hard_timeout:g} s{spare}; stores hosted {self.stores_hosted}{checks}",
+                        f"{a.inprocess_hard_timeout:g} s{spare}; stores hosted {self.stores_hosted}{checks}"
+                        f"{self._nesting()}",
                         pids=pids, max_iterations=a.inprocess_max_iterations, reserves=max(reserves, 0),
                         health_checks_left_out=list(left_out))
 
