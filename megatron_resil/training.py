@@ -211,7 +211,7 @@ def train(args, model, optimizer, scheduler, checkpoints, progress: TrainProgres
             report, stop = train_step(args, model, optimizer, scheduler, train_ds, progress, faults,
                                       nan_checks=not checkpoints.canary_watching,
                                       before_optimizer_step=checkpoints.before_state_changes,
-                                      after_optimizer_step=keeper.committed)
+                                      after_optimizer_step=keeper.step_hook)
         if stop is not None:  # the rerun state machine would end the job; this step was not taken
             progress, stop = stops.rejected_step(stop, progress, checkpoints)
             continue

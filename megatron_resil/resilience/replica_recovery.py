@@ -119,6 +119,11 @@ class Keeper:
                                 "reload of the newest checkpoint, as without --recover-from-replicas",
                                 armed=False, reason=self.why_not)
 
+    @property
+    def step_hook(self):
+        """What train_step calls right after the optimizer step: None (nothing at all) when off."""
+        return self.committed if self.enabled else None
+
     def committed(self, progress: TrainProgress) -> None:
         """`progress` is where this rank's state now stands (a step taken, or a checkpoint loaded)."""
         global _kept, _suspect
