@@ -249,28 +249,36 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
 
 def _exchange(transfers: list[tuple[int, int]], rank: int, own: Kept | None, model: list,
               moved: dict) -> Kept | None:
-    """Headers first, checked by their receivers, then (if every header passed on every rank) the tensors,
-    each checked; this rank's state afterwards (received, or its own). Collective."""
-    outgoing = {}  # receiver -> (header, tensors)
-    received: dict | None = None
+    """This rank's state afterwards (received, or its own). Each step is agreed on by every rank before
+    the next, so that no rank waits for a message that will not come: the sources encode their state
+    (once, whatever the number of receivers), then the headers go and are checked by their receivers,
+    then the tensors go, and each is checked. Collective."""
+    outgoing: tuple[dict, list[torch.Tensor]] | None = None
     why = ""
+    if any(src == rank for src, _ in transfers):
+        try:
+            outgoing = _encode(own)
+        except FallBack as err:
+            why = f"rank {rank}: {err}"
+    if (agreed := _first_reason(why)) is not None:
+        raise FallBack(agreed)
+    received: dict | None = None
     for src, dst in transfers:
         if rank == src:
-            outgoing[dst] = _encode(own)
-            _send_header(outgoing[dst][0], dst)
+            _send_header(outgoing[0], dst)
         elif rank == dst:
             try:
                 received = _receive_header(src, _limit_bytes(model))
             except FallBack as err:
-                why, received = f"rank {rank}: the header from rank {src}: {err}", {"src": src, "bad": True}
-    if (why := _first_reason(why)) is not None:
-        raise FallBack(why)
+                why = f"rank {rank}: the header from rank {src}: {err}"
+    if (agreed := _first_reason(why)) is not None:
+        raise FallBack(agreed)
     if received is not None:
         _die_once_if_told()
     tensors: list[torch.Tensor] = []
     for src, dst in transfers:
         if rank == src:
-            header, payload = outgoing[dst]
+            header, payload = outgoing
             for i, tensor in enumerate(payload):
                 tensor = tensor.detach().to(parallel.device()).contiguous()
                 if i == 0 and os.environ.get(CORRUPT_TRANSFER_ENV) == "1" and tensor.numel():
