@@ -172,6 +172,31 @@ def test_a_receiver_killed_during_the_recovery_is_replaced_by_the_next_reserve_a
     assert launch.losses(out) == losses
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("layout", "source"), [
+    (("--tensor-model-parallel-size", "2"), 3),  # rank 1 is tensor rank 1: its replica is rank 3
+    (("--pipeline-model-parallel-size", "2"), 0),  # rank 1 is in stage 0 with rank 0
+], ids=["tp2xdp2", "pp2xdp2"])
+def test_a_shard_is_received_from_its_own_replica_under_tensor_and_pipeline_parallelism(layout, source,
+                                                                                      tmp_path):
+    """4 training ranks and a reserve: rank 1's process killed; the reserve receives rank 1's shard from the
+    data-parallel replica at the same tensor or pipeline rank, and the run ends with the losses of the same
+    layout never interrupted."""
+    reference = launch.run(reserves.args(tmp_path / "reference", *layout), nproc=4, timeout=600)
+    assert reference.returncode == 0, reference.stdout[-4000:]
+    save = tmp_path / "ckpt"
+    # The later --inprocess-active-world-size wins over reserves.INPROCESS's 2, as argparse takes the last.
+    fault = [*layout, "--inprocess-active-world-size", "4",
+             "--inject-fault", "kill", "--inject-fault-ranks", "1"]
+    out = _run(save, tmp_path / "run.log", fault, processes=5)
+    lines = _recovery_lines(out)
+    assert len(lines) == 2 and lines[1].startswith(
+        "[resil] recovery: same-step recovery at iteration 6: rank 1 receives its state from "
+        f"rank {source} ("), lines
+    assert [e for e in reserves.events(save) if e["event"] == "loaded"] == []
+    assert launch.losses(out) == launch.losses(reference.stdout)
+
+
 def _parse(*extra: str, world_size: int = 2) -> argparse.Namespace:
     return parse_args([*launch.TINY_MODEL, "--micro-batch-size", "2", "--train-iters", "10", "--lr", "1e-3",
                        "--mock-data", *extra], world_size=world_size)
