@@ -8,6 +8,7 @@ import datetime
 import gc
 import os
 import random
+import weakref
 from collections.abc import Iterator
 
 import numpy as np
@@ -73,12 +74,48 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+# Groups megatron-core's destroy_model_parallel leaves set (0.16 to 0.19): the distributed optimizer's
+# instance-local data-parallel groups (with one instance, the data-parallel group itself) and the
+# hierarchical context-parallel groups. Held, they keep their gloo connections open.
+_LEFT_BY_DESTROY = ("_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP",
+                    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO",
+                    "_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS")
+
+
+# The model chunks built in this process, so that a failed attempt's can be let go (release_process_groups).
+_engines: weakref.WeakSet = weakref.WeakSet()
+
+
+def track_for_release(model: list) -> None:
+    _engines.update(model)
+
+
+_ENGINE_HOOKS_IN_CONFIG = ("no_sync_func", "grad_sync_func", "param_sync_func", "finalize_model_grads_func",
+                           "grad_scale_func")
+
+
+def _let_go_of_engines() -> None:
+    """The model's config, shared by every layer, holds the schedules' hooks: DDP's and the optimizer's
+    bound methods. Under the distributed optimizer the collector did not free a failed attempt's engine
+    while they were set (what holds it is out of Python's sight: tests/test_release_between_attempts.py),
+    so DDP, its buffers and its process groups lived on; unset, all of it goes."""
+    for chunk in list(_engines):
+        config = getattr(chunk, "config", None)
+        for name in _ENGINE_HOOKS_IN_CONFIG:
+            if getattr(config, name, None) is not None:
+                setattr(config, name, None)
+
+
 def release_process_groups() -> None:
     """Drop every process group this process holds, in whatever state (an attempt that failed): first
     megatron-core's references, then torch.distributed's, then the cycles. On gloo this is what frees a
     peer blocked in a collective with this rank: gloo has no abort (`abort()` and `shutdown()` leave the
     peer waiting), only a group that is no longer referenced closes its connections."""
+    _let_go_of_engines()
     parallel_state.destroy_model_parallel()
+    for name in _LEFT_BY_DESTROY:  # so these go too (a peer in the instance's groups is released)
+        if getattr(parallel_state, name, None) is not None:
+            setattr(parallel_state, name, None)
     if dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()

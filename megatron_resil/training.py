@@ -182,6 +182,7 @@ def build_engine(args: argparse.Namespace, vocab_size: int):
     timers = timers_for(args)
     get_model_config(model[0]).timers = timers
     optimizer = build_optimizer(model, args, timers)
+    parallel.track_for_release(model)  # a failed attempt's engine is let go between attempts
     return model, optimizer, build_scheduler(optimizer, args)
 
 

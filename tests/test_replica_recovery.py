@@ -176,12 +176,14 @@ def test_a_receiver_killed_during_the_recovery_is_replaced_by_the_next_reserve_a
 @pytest.mark.parametrize(("layout", "source"), [
     (("--tensor-model-parallel-size", "2"), 3),  # rank 1 is tensor rank 1: its replica is rank 3
     (("--pipeline-model-parallel-size", "2"), 0),  # rank 1 is in stage 0 with rank 0
-], ids=["tp2xdp2", "pp2xdp2"])
+    # instances of ranks 0, 1 and 2, 3: rank 1's optimizer shard is also rank 3's
+    (("--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"), 3),
+], ids=["tp2xdp2", "pp2xdp2", "distopt2xdp4"])
 def test_a_shard_is_received_from_its_own_replica_under_tensor_and_pipeline_parallelism(layout, source,
                                                                                       tmp_path):
     """4 training ranks and a reserve: rank 1's process killed; the reserve receives rank 1's shard from the
-    data-parallel replica at the same tensor or pipeline rank, and the run ends with the losses of the same
-    layout never interrupted."""
+    data-parallel replica at the same tensor or pipeline rank, or holding the same optimizer shard in the
+    other instance, and the run ends with the losses of the same layout never interrupted."""
     reference = launch.run(reserves.args(tmp_path / "reference", *layout), nproc=4, timeout=600)
     assert reference.returncode == 0, reference.stdout[-4000:]
     save = tmp_path / "ckpt"
@@ -195,6 +197,39 @@ def test_a_shard_is_received_from_its_own_replica_under_tensor_and_pipeline_para
         f"rank {source} ("), lines
     assert [e for e in reserves.events(save) if e["event"] == "loaded"] == []
     assert launch.losses(out) == launch.losses(reference.stdout)
+
+
+@pytest.mark.slow
+def test_a_rank_killed_between_its_shard_update_and_the_all_gather_leaves_no_mixed_state(tmp_path):
+    """The distributed optimizer with two instances at DP 4 (instances of ranks 0, 1 and 2, 3): rank 1's
+    process is killed right after its optimizer updated its shard in iteration 7, before the parameters'
+    all-gather. Rank 0, its instance peer, is caught inside that update (its shard stepped, its parameters
+    not gathered): it holds nothing and receives, as the reserve in rank 1's place does, from the other
+    instance, which completed iteration 7. Training goes on at iteration 8, and the end state equals the
+    uninterrupted run's bit for bit."""
+    distopt = ("--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2")
+    reference = tmp_path / "reference"
+    uninterrupted = launch.run(reserves.args(reference, *distopt), nproc=4, timeout=600)
+    assert uninterrupted.returncode == 0, uninterrupted.stdout[-4000:]
+    save = tmp_path / "ckpt"
+    with reserves.running(save, tmp_path / "run.log", 0, [*distopt, "--inprocess-active-world-size", "4",
+                                                         "--recover-from-replicas"],
+                          env={replica_recovery.DIE_AFTER_UPDATE_ENV: f"1:7:{tmp_path / 'died'}"},
+                          processes=5) as run:
+        code = run.wait(timeout=600)
+    out = (tmp_path / "run.log").read_text()
+    assert code == 0, out[-6000:]
+    assert "[resil] fault: rank 1 is killed right after its optimizer updated its state in iteration 7" in out
+    lines = _recovery_lines(out)
+    assert len(lines) == 2 and lines[1].startswith(
+        "[resil] recovery: same-step recovery at iteration 7: rank 0 receives its state from rank 2; rank 1 "
+        "receives its state from rank 3 ("), lines
+    assert "training goes on at iteration 8" in lines[1]
+    assert [e for e in reserves.events(save) if e["event"] == "loaded"] == []
+    assert launch.differing_tensors(save / "iter_0000010", reference / "iter_0000010", tmp_path,
+                                    weights_only=False) == []
+    reference_losses, losses = launch.losses(uninterrupted.stdout), launch.losses(out)
+    assert {i: reference_losses[i] for i in losses} == losses and {8, 9, 10} <= set(losses), losses
 
 
 def _parse(*extra: str, world_size: int = 2) -> argparse.Namespace:
@@ -216,6 +251,7 @@ def test_recover_from_replicas_without_inprocess_restart_is_one_line_and_exit_2(
     ((), 1, "data-parallel size 1: no other rank holds a copy"),
     (("--tensor-model-parallel-size", "2"), 2, "data-parallel size 1"),
     (("--use-distributed-optimizer",), 2, "the distributed optimizer with 1 instance shards"),
+    (("--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"), 4, None),
 ])
 def test_the_layouts_where_no_replica_holds_a_ranks_state_are_named_at_start_up(flags, world_size, why):
     args = _parse("--inprocess-restart", "--recover-from-replicas", *flags, world_size=world_size)
@@ -223,8 +259,9 @@ def test_the_layouts_where_no_replica_holds_a_ranks_state_are_named_at_start_up(
     assert (said is None) if why is None else said.startswith(why), said
 
 
-def _row(iteration: int, digest: int = 7, tp: int = 0, suspect: int = 0) -> list[int]:
-    return [iteration, suspect, 0, tp, 0, digest]
+def _row(iteration: int, digest: int = 7, tp: int = 0, suspect: int = 0, shard: int = 0,
+         updating: int = 0) -> list[int]:
+    return [iteration, suspect, updating, 0, tp, 0, shard, digest]
 
 
 def test_a_rank_behind_receives_from_the_lowest_replica_at_the_newest_iteration():
@@ -234,12 +271,21 @@ def test_a_rank_behind_receives_from_the_lowest_replica_at_the_newest_iteration(
     # two shards (tensor ranks 0 and 1), each with its own source
     assert plan([_row(-1, 0, tp=0), _row(-1, 0, tp=1), _row(6, 1, tp=0), _row(6, 2, tp=1)]) == \
         (6, [(2, 0), (3, 1)])
+    # the distributed optimizer with two instances (ranks 0, 1 and 2, 3): a shard's replica is in the
+    # other instance; rank 2, caught inside its update (its shard stepped, its parameters not gathered),
+    # receives too
+    table = [_row(6, shard=0), _row(6, shard=1), _row(5, shard=0, updating=1), _row(-1, 0, shard=1)]
+    assert plan(table) == (6, [(0, 2), (1, 3)])
 
 
 @pytest.mark.parametrize(("table", "why"), [
     ([_row(-1, 0), _row(-1, 0)], "no rank holds a committed step"),
+    ([_row(5, updating=1), _row(-1, 0)], "no rank holds a committed step"),
+    ([_row(6, shard=0), _row(-1, 0, shard=1), _row(6, shard=0), _row(5, shard=1, updating=1)],
+     "optimizer shard 1 holds iteration 6 (ranks [1, 3] hold [-1], ranks [3] caught inside an update"),
     ([_row(-1, 0, tp=0), _row(6, tp=1), _row(5, tp=0), _row(6, tp=1)],
-     "no live replica of the shard at pipeline rank 0, tensor rank 0, context rank 0 holds iteration 6"),
+     "no live replica of the shard at pipeline rank 0, tensor rank 0, context rank 0, optimizer shard 0 "
+     "holds iteration 6"),
     ([_row(6, 1), _row(6, 2), _row(-1, 0)], "the replicas [0, 1] of one shard hold different models"),
     ([_row(6), _row(6, suspect=1)], "the state of rank 1 is suspect"),
 ])

@@ -358,7 +358,8 @@ def test_enable_ft_package_under_the_script_restarts_a_frozen_rank_inside_the_jo
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), text[-4000:]
     # The rank monitor saw the hang: in a section, or, when the stop lands between sections (the exit-signal
     # check after a save, say), out of section, where the peer then waits too.
-    assert re.search(r"Section '(step|checkpointing)' has been open|Was out of section for", text), text[-4000:]
+    hang = r"Section '(step|checkpointing)' has been open|Was out of section for"
+    assert re.search(hang, text), text[-4000:]
     assert "[resil] restart: worker group restart 1 of at most 1" in text
     assert "stop 0: training finished at iteration 60" in text
     _assert_forked_in_the_job(text, save, attempts=2)  # the in-job restart too

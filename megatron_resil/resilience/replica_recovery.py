@@ -7,12 +7,21 @@ progress. The commit is taken right after the optimizer step, so a failure in an
 loss's reduction, a save) finds the committed state, and one before it (the gradients' reduction) finds the
 previous one; nothing in between changes the parameters.
 
+Under the distributed optimizer each rank holds only its shard of the optimizer's state (the fp32 main
+parameters and Adam's moments); with --num-distributed-optimizer-instances 2 or more, the same shard sits on
+the rank at the same place in every other instance, and that rank is its replica. The commit keeps the
+shard's tensors too. The update of a shard is followed by a collective (the parameters' all-gather), so a
+fault can find a rank between the two, its state neither the step before nor the step after: a hook on the
+inner optimizer's step marks the rank as updating until its commit, and such a rank holds nothing (it
+receives, like a reserve).
+
 At the next attempt every rank has built a fresh engine. One collective gathers each rank's committed
-iteration, its place in the model (pipeline, tensor and context parallel ranks: the replicas of one shard
-share it) and a digest of its model. The newest iteration is the target. A rank behind it (a warm reserve
-that took a lost rank's place holds nothing; a rank that had not committed the interrupted step is one
-behind) receives the whole state from the lowest rank of its replica set that holds the target: a header
-(layout, dtypes, shapes and a SHA-256 per tensor, in JSON: nothing is unpickled), then each tensor once.
+iteration, its place in the model (pipeline, tensor and context parallel ranks, and its optimizer shard: the
+replicas of one shard share it) and a digest of its model. The newest iteration is the target. A rank
+behind it (a warm reserve that took a lost rank's place holds nothing; a rank that had not committed the
+interrupted step is one behind) receives the whole state from the lowest rank of its replica set that
+holds the target: a header (layout, dtypes, shapes and a SHA-256 per tensor, in JSON: nothing is
+unpickled), then each tensor once.
 Every tensor is checked before any rank applies anything; a problem anywhere and every rank falls back to
 the newest checkpoint, with the reason in one line.
 
@@ -22,8 +31,8 @@ Fallback, decided alike on every rank from the gathered table (and said once, by
   size 1: nothing else holds a rank's state);
 - replicas at the target whose models differ (the state is mixed);
 - a rank whose state is suspect (a NaN or a weight-hash mismatch since its last load);
-- a layout where a data-parallel peer is no replica (the distributed optimizer shards the optimizer's
-  state, expert parallelism the experts): said at start-up (`arm`).
+- a layout where a data-parallel peer is no replica (the distributed optimizer with one instance shards
+  the optimizer's state, expert parallelism the experts): said at start-up (`arm`).
 """
 
 from __future__ import annotations
@@ -48,9 +57,12 @@ from megatron_resil.resilience import restart_phases
 
 # Test hooks. The sender of a transfer flips one byte of the first tensor it sends, after its checksum. A
 # receiver kills its own process with SIGKILL once it has the header, if the file this names does not exist
-# yet (it creates it first, so the fault strikes once in the job).
+# yet (it creates it first, so the fault strikes once in the job). "RANK:ITERATION:FILE": that rank kills
+# its own process right after its optimizer has updated its state in that iteration, before the collective
+# that follows (the distributed optimizer's all-gather), once in the job likewise.
 CORRUPT_TRANSFER_ENV = "RESIL_TEST_CORRUPT_REPLICA_TRANSFER"
 DIE_RECEIVING_ENV = "RESIL_TEST_DIE_RECEIVING_REPLICA_STATE"
+DIE_AFTER_UPDATE_ENV = "RESIL_TEST_DIE_AFTER_UPDATE"
 _MAX_HEADER_BYTES = 64 << 20
 _MAX_TENSORS = 1 << 20
 _SLACK_BYTES = 64 << 20
@@ -60,7 +72,8 @@ _STATE_PER_MODEL_BYTES = 8
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
                                torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
 _NUMPY_DTYPES = ("uint32", "int64", "float64")
-_STATUS_FIELDS = 6  # iteration, suspect, pipeline rank, tensor rank, context rank, digest
+_STATUS_FIELDS = 8  # iteration, suspect, updating, pipeline rank, tensor rank, context rank, optimizer shard,
+# digest
 _NONE = -1  # iteration of a rank that holds nothing (a reserve, or no step committed)
 _REASON_BYTES = 400
 
@@ -76,6 +89,9 @@ class Kept:
     scheduler: dict
     rng: dict
     progress: TrainProgress
+    # per distributed optimizer, per parameter (in the optimizer's order): its shard's main parameter and
+    # optimizer state ({"param": ..., "exp_avg": ..., ...}); empty without the distributed optimizer
+    shards: list = dataclasses.field(default_factory=list)
 
 
 class FallBack(Exception):
@@ -84,6 +100,7 @@ class FallBack(Exception):
 
 _kept: Kept | None = None
 _suspect: str | None = None  # why this rank's kept state cannot be trusted, if it cannot
+_updating = False  # the optimizer has begun an update this rank has not committed: its state is mixed
 
 
 def arm(args: argparse.Namespace) -> str | None:
@@ -91,11 +108,10 @@ def arm(args: argparse.Namespace) -> str | None:
     if args.data_parallel_size < 2:
         return ("data-parallel size 1: no other rank holds a copy of a rank's state (give more ranks than "
                 "the model-parallel sizes use)")
-    if args.use_distributed_optimizer:
-        instances = getattr(args, "num_distributed_optimizer_instances", 1)
-        return (f"the distributed optimizer with {instances} instance{'s' if instances != 1 else ''} shards "
-                "the optimizer's state over the data-parallel ranks, and recovery from its second instance "
-                "is not built yet")
+    if args.use_distributed_optimizer and getattr(args, "num_distributed_optimizer_instances", 1) < 2:
+        return ("the distributed optimizer with 1 instance shards the optimizer's state over the "
+                "data-parallel ranks, so no other rank holds a rank's shard (give "
+                "--num-distributed-optimizer-instances 2: each instance then holds a copy)")
     if args.expert_model_parallel_size > 1:
         return "expert parallelism: recovery of expert shards from their replicas is not built yet"
     return None
@@ -106,8 +122,13 @@ class Keeper:
 
     def __init__(self, args: argparse.Namespace, model: list, optimizer, scheduler) -> None:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.why_not = arm(args) if args.recover_from_replicas else "off"
+        self.why_not = _why_not(args, optimizer) if args.recover_from_replicas else "off"
         self.enabled = self.why_not is None
+        if self.enabled:
+            for leaf in _leaves(optimizer):
+                leaf.optimizer.register_step_pre_hook(_begin_update)
+                if os.environ.get(DIE_AFTER_UPDATE_ENV):
+                    leaf.optimizer.register_step_post_hook(_die_after_update_if_told)
         if args.recover_from_replicas and generation == 0:
             if self.enabled:
                 events.decision("recovery", "same-step recovery on (--recover-from-replicas): after an "
@@ -126,15 +147,18 @@ class Keeper:
 
     def committed(self, progress: TrainProgress) -> None:
         """`progress` is where this rank's state now stands (a step taken, or a checkpoint loaded)."""
-        global _kept, _suspect
+        global _kept, _suspect, _updating
         if not self.enabled:
+            return
+        _suspect, _updating = None, False
+        if any(_is_sharded(leaf) and not leaf.optimizer.state for leaf in _leaves(self.optimizer)):
+            _kept = None  # a distributed optimizer before its first step has no state to give (nor to say)
             return
         rng = parallel.rng_state()
         rng["rng_tracker_states"] = {k: v.clone() for k, v in rng["rng_tracker_states"].items()}
         _kept = Kept(progress.iteration, [chunk.state_dict() for chunk in self.model],
                      self.optimizer.state_dict(), copy.deepcopy(self.scheduler.state_dict()), rng,
-                     dataclasses.replace(progress))
-        _suspect = None
+                     dataclasses.replace(progress), _shard_states(self.optimizer))
 
     def suspect(self, why: str) -> None:
         """This rank's state may be bad (a NaN, replicas that differ): no peer may receive it."""
@@ -143,15 +167,72 @@ class Keeper:
             _suspect = why
 
 
+def _why_not(args: argparse.Namespace, optimizer) -> str | None:
+    """arm's answer, or what this optimizer lacks (the same on every rank)."""
+    if (why := arm(args)) is not None:
+        return why
+    for leaf in _leaves(optimizer):
+        if not hasattr(getattr(leaf, "optimizer", None), "register_step_pre_hook"):
+            return f"the optimizer {type(leaf).__name__} has no torch optimizer inside to watch for updates"
+        if _is_sharded(leaf) and not all(hasattr(leaf, name) for name in _SHARD_API):
+            return (f"this megatron-core's {type(leaf).__name__} lacks {', '.join(_SHARD_API)}, through "
+                    "which a rank's optimizer shard is kept and restored")
+    return None
+
+
+# The distributed optimizer's own accessors of one parameter's shard (main parameter and optimizer state),
+# which its checkpoint loaders use too; checked for at start-up.
+_SHARD_API = ("model_param_group_index_map", "_get_main_param_and_optimizer_states",
+              "_set_main_param_and_optimizer_states")
+
+
+def _leaves(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _is_sharded(leaf) -> bool:
+    return type(leaf).__name__ == "DistributedOptimizer"
+
+
+def _begin_update(*_) -> None:
+    global _updating
+    _updating = True
+
+
+def _shard_states(optimizer) -> list:
+    """References to each distributed optimizer's shard tensors, per parameter in its own order. Detached:
+    a main parameter can be a view of the model's parameter, whose hooks hold the engine, and so its
+    process groups, which must go with the failed attempt (on gloo, that is what releases a blocked peer)."""
+    return [[{k: v.detach() for k, v in leaf._get_main_param_and_optimizer_states(p).items()}
+             for p in leaf.model_param_group_index_map]
+            for leaf in _leaves(optimizer) if _is_sharded(leaf)]
+
+
+@torch.no_grad()  # a main parameter can be a view of a model parameter, which requires grad
+def _apply_shards(optimizer, shards: list) -> None:
+    for leaf, states in zip([x for x in _leaves(optimizer) if _is_sharded(x)], shards, strict=True):
+        for param, tensors in zip(leaf.model_param_group_index_map, states, strict=True):
+            leaf._set_main_param_and_optimizer_states(param, tensors)
+
+
+def _shard_index(optimizer) -> int:
+    """This rank's place in the group its distributed optimizer shards over (0 without one): the ranks of
+    one place in every instance hold the same shard."""
+    for leaf in _leaves(optimizer):
+        if _is_sharded(leaf):
+            return dist.get_rank(group=leaf.data_parallel_group)
+    return 0
+
+
 def recover(args: argparse.Namespace, model: list, optimizer, scheduler) -> TrainProgress | None:
     """At an in-process restart with --recover-from-replicas: this rank's state restored, from itself or a
     replica, and the progress to go on from; None (on every rank alike) to load a checkpoint instead.
     Collective."""
     global _kept
-    if not args.recover_from_replicas or generation == 0 or arm(args) is not None:
+    if not args.recover_from_replicas or generation == 0 or _why_not(args, optimizer) is not None:
         return None
     started = time.time()
-    table = _gather_status(model)
+    table = _gather_status(optimizer)
     try:
         target, transfers = plan(table)
     except FallBack as err:
@@ -163,6 +244,7 @@ def recover(args: argparse.Namespace, model: list, optimizer, scheduler) -> Trai
     try:
         own = _exchange(transfers, rank, own, model, moved)
         _check_model_layout(own, model, rank)
+        _check_shard_layout(own, optimizer, rank)
     except FallBack as err:  # every rank's reason is gathered: all fall back together
         why = str(err)
     if (why := _first_reason(why)) is not None:
@@ -171,6 +253,7 @@ def recover(args: argparse.Namespace, model: list, optimizer, scheduler) -> Trai
     for chunk, state in zip(model, own.model, strict=True):
         chunk.load_state_dict(state)
     optimizer.load_state_dict(own.optimizer)
+    _apply_shards(optimizer, own.shards)  # after load_state_dict, which allocates the shards' state
     scheduler.load_state_dict(own.scheduler)
     parallel.set_rng_state(own.rng)
     progress = dataclasses.replace(own.progress)
@@ -198,31 +281,37 @@ def plan(table: list[list[int]]) -> tuple[int, list[tuple[int, int]]]:
         raise FallBack(f"the state of rank{'s' if len(suspect) > 1 else ''} "
                        f"{', '.join(map(str, suspect))} is suspect (a step rejected, or replicas that "
                        "differed, since the last load)")
-    target = max(row[0] for row in table)
+    held = [_NONE if row[2] else row[0] for row in table]  # a rank caught in an update holds nothing
+    target = max(held)
     if target == _NONE:
-        raise FallBack("no rank holds a committed step (the failure came before the first)")
+        raise FallBack("no rank holds a committed step (the failure came before the first, or inside every "
+                       "rank's update)")
     sets: dict[tuple, list[int]] = {}
     for r, row in enumerate(table):
-        sets.setdefault(tuple(row[2:5]), []).append(r)
+        sets.setdefault(tuple(row[3:7]), []).append(r)
     transfers = []
     for key, members in sets.items():
-        holders = [r for r in members if table[r][0] == target]
+        holders = [r for r in members if held[r] == target]
         if not holders:
+            updating = [r for r in members if table[r][2]]
             raise FallBack(f"no live replica of the shard at pipeline rank {key[0]}, tensor rank {key[1]}, "
-                           f"context rank {key[2]} holds iteration {target} (ranks {members} hold "
-                           f"{sorted({table[r][0] for r in members})}; every replica of it was lost)")
-        if len({table[r][5] for r in holders}) > 1:
+                           f"context rank {key[2]}, optimizer shard {key[3]} holds iteration {target} (ranks "
+                           f"{members} hold {sorted({held[r] for r in members})}"
+                           + (f", ranks {updating} caught inside an update" if updating else "")
+                           + "; every replica of it was lost)")
+        if len({table[r][7] for r in holders}) > 1:
             raise FallBack(f"the replicas {holders} of one shard hold different models at iteration "
                            f"{target}: the state is mixed")
         transfers += [(holders[0], r) for r in members if table[r][0] != target]
     return target, sorted(transfers, key=lambda t: (t[1], t[0]))
 
 
-def _gather_status(model: list) -> list[list[int]]:
+def _gather_status(optimizer) -> list[list[int]]:
     kept = _kept
-    row = [kept.iteration if kept is not None else _NONE, 1 if _suspect else 0,
+    row = [kept.iteration if kept is not None else _NONE, 1 if _suspect else 0, 1 if _updating else 0,
            parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank(),
-           parallel_state.get_context_parallel_rank(), _digest(kept) if kept is not None else 0]
+           parallel_state.get_context_parallel_rank(), _shard_index(optimizer),
+           _digest(kept) if kept is not None else 0]
     mine = torch.tensor(row, dtype=torch.int64, device=parallel.device())
     out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(out, mine)
@@ -304,14 +393,26 @@ def _exchange(transfers: list[tuple[int, int]], rank: int, own: Kept | None, mod
 def _die_once_if_told() -> None:
     marker = os.environ.get(DIE_RECEIVING_ENV)
     if marker:
-        try:
-            fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        except FileExistsError:
-            return
-        os.close(fd)
-        print(f"[resil] fault: rank {parallel.rank()} is killed while it receives its state "
-              f"({DIE_RECEIVING_ENV})", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
+        _die_once(marker, f"rank {parallel.rank()} is killed while it receives its state "
+                  f"({DIE_RECEIVING_ENV})")
+
+
+def _die_after_update_if_told(*_) -> None:
+    rank, iteration, marker = os.environ[DIE_AFTER_UPDATE_ENV].split(":", 2)
+    updating = (_kept.iteration if _kept is not None else 0) + 1
+    if parallel.rank() == int(rank) and updating == int(iteration):
+        _die_once(marker, f"rank {rank} is killed right after its optimizer updated its state in iteration "
+                  f"{iteration} ({DIE_AFTER_UPDATE_ENV})")
+
+
+def _die_once(marker: str, said: str) -> None:
+    try:
+        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        return
+    os.close(fd)
+    print(f"[resil] fault: {said}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _limit_bytes(model: list) -> int:
@@ -323,7 +424,8 @@ def _encode(kept: Kept) -> tuple[dict, list[torch.Tensor]]:
     tensors: list[torch.Tensor] = []
     paths: list[str] = []
     state = {"iteration": kept.iteration, "model": kept.model, "optimizer": kept.optimizer,
-             "scheduler": kept.scheduler, "rng": kept.rng, "progress": dataclasses.asdict(kept.progress)}
+             "scheduler": kept.scheduler, "rng": kept.rng, "progress": dataclasses.asdict(kept.progress),
+             "shards": kept.shards}
     skeleton = _flatten(state, tensors, paths, "state")
     entries = [{"path": path, "shape": list(t.shape), "dtype": str(t.dtype),
                 "sha256": hashlib.sha256(_bytes_of(t)).hexdigest()} for path, t in zip(paths, tensors,
@@ -359,14 +461,14 @@ def _flatten(value, tensors: list, paths: list, path: str):
 def _decode(skeleton, tensors: list[torch.Tensor]) -> Kept:
     state = _unflatten(skeleton, tensors)
     if not isinstance(state, dict) or set(state) != {"iteration", "model", "optimizer", "scheduler", "rng",
-                                                     "progress"}:
+                                                     "progress", "shards"}:
         raise FallBack("the state received is not a rank's state")
     try:
         progress = TrainProgress(**state["progress"])
     except TypeError as err:
         raise FallBack(f"the progress received does not fit: {err}") from None
     return Kept(state["iteration"], state["model"], state["optimizer"], state["scheduler"], state["rng"],
-                progress)
+                progress, state["shards"])
 
 
 def _unflatten(node, tensors: list[torch.Tensor]):
@@ -459,6 +561,26 @@ def _check_model_layout(kept: Kept | None, model: list, rank: int) -> None:
             diff = sorted(set(expected.items()) ^ set(got.items()))[:3]
             raise FallBack(f"rank {rank}: the model state does not fit this model (first differences: "
                            f"{diff})")
+
+
+def _check_shard_layout(kept: Kept, optimizer, rank: int) -> None:
+    """The optimizer shards to apply fit this rank's distributed optimizers: as many parameters, each
+    state tensor shaped as its main parameter's shard."""
+    leaves = [leaf for leaf in _leaves(optimizer) if _is_sharded(leaf)]
+    if not isinstance(kept.shards, list) or len(kept.shards) != len(leaves):
+        raise FallBack(f"rank {rank}: optimizer shards for {len(kept.shards)} distributed optimizers, "
+                       f"not {len(leaves)}")
+    for leaf, states in zip(leaves, kept.shards, strict=True):
+        index = leaf.model_param_group_index_map
+        if not isinstance(states, list) or len(states) != len(index):
+            raise FallBack(f"rank {rank}: an optimizer shard of {len(states)} parameters, not {len(index)}")
+        for (group, order), tensors in zip(index.values(), states, strict=True):
+            main = leaf.optimizer.param_groups[group]["params"][order]
+            if not (isinstance(tensors, dict) and "param" in tensors and all(
+                    isinstance(t, torch.Tensor) and (t.numel() == 1 if k == "step" else t.shape == main.shape)
+                    for k, t in tensors.items())):
+                raise FallBack(f"rank {rank}: an optimizer shard does not fit this rank's (a main parameter "
+                               f"of {tuple(main.shape)})")
 
 
 def _first_reason(why: str) -> str | None:
