@@ -200,6 +200,7 @@ def test_a_shard_is_received_from_its_own_replica_under_tensor_and_pipeline_para
 
 
 @pytest.mark.slow
+@pytest.mark.compat  # the distributed optimizer's accessors, on the users' megatron-core too
 def test_a_rank_killed_between_its_shard_update_and_the_all_gather_leaves_no_mixed_state(tmp_path):
     """The distributed optimizer with two instances at DP 4 (instances of ranks 0, 1 and 2, 3): rank 1's
     process is killed right after its optimizer updated its shard in iteration 7, before the parameters'
