@@ -4,7 +4,8 @@ Nothing of NVRx is replaced there; a renamed method would leave our override unc
 checked, with the call in NVRx that reaches it.
 
 One record replaces a method of NVRx's in-process restart Wrapper, on a host without CUDA: NVRx 0.5 and
-later run GPU health checks of their own before every restart, which cannot run there.
+later run GPU health checks of their own before every restart, which cannot run there. Another, under
+in-process restart, raises the restart again when NVRx's signal to the training thread was lost.
 
 One record replaces something, in ft_launcher's process only (`python -m megatron_resil.launch.ft_launcher`
 installs it by name; pretrain.py never does): NVRx 0.4.1's rendezvous hard-codes torch's keep-alive (a
@@ -183,6 +184,47 @@ def _gpu_health_checks_left_out_without_cuda() -> None:
     inprocess.Wrapper._construct_restart_health_check = construct_without_gpu_checks
 
 
+# ---- NVRx's restart signal to the training thread, when it never arrives ---------------------------------
+
+_MONITOR = f"{_INPROCESS}.monitor_thread:MonitorThread"
+RESTART_LOST = "a restart NVRx raised into the training thread and lost is raised again"
+
+
+def _inprocess_restart(args: argparse.Namespace | None) -> bool:
+    return args is None or bool(getattr(args, "inprocess_restart", False))
+
+
+def _raise_the_restart_a_join_lost() -> None:
+    import ctypes
+    import threading
+
+    from nvidia_resiliency_ext.inprocess import monitor_thread
+
+    maybe_join = monitor_thread.MonitorThread.maybe_join
+    # its own handle on the C function, called with the GIL held: None passes NULL (which clears)
+    clear_async_exc = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p)(
+        ("PyThreadState_SetAsyncExc", ctypes.pythonapi))
+
+    @functools.wraps(maybe_join)
+    def maybe_join_or_restart(self, timeout=None):
+        maybe_join(self, timeout)  # RankShouldRestart, raised into this thread by the monitor, arrives here
+        from megatron_resil.resilience import inprocess_restart
+
+        if self not in inprocess_restart.aborted_by:
+            return  # it never aborted: NVRx's own InternalError follows, as it would
+        # The monitor thread ran our abort, then raised RankShouldRestart into this thread, and it ended
+        # (joined): the exception was consumed somewhere without reaching the Wrapper (CI, stop 43: once,
+        # rank 0 of three, a peer's abort having broken its gradient all-reduce). Without it NVRx ends the
+        # process with InternalError, and every other rank's restart with it. Nothing may stay pending.
+        clear_async_exc(threading.main_thread().ident, None)
+        print(f"[resil] inprocess: rank {self.state.rank}: NVRx's restart signal to the training thread "
+              "never arrived after its abort; raised again, so this rank restarts with the others",
+              file=sys.stderr, flush=True)
+        raise monitor_thread.RankShouldRestart("the restart the monitor thread raised was lost")
+
+    monitor_thread.MonitorThread.maybe_join = maybe_join_or_restart
+
+
 def _uses_local_tier(args: argparse.Namespace | None) -> bool:
     return args is None or getattr(args, "non_persistent_ckpt_type", None) == "local"
 
@@ -218,6 +260,28 @@ PATCHES = (
         apply=_gpu_health_checks_left_out_without_cuda,
         not_needed=_no_restart_health_checks, not_needed_on="<0.5",
         when=_inprocess_restart_without_cuda,
+    ),
+    Patch(
+        name=RESTART_LOST,
+        package=PACKAGE, written_for=WRITTEN_FOR,
+        target=f"{_MONITOR}.maybe_join",
+        why="when the wrapped function raised, NVRx's Wrapper records the interruption and joins its monitor "
+            "thread, which aborts and raises RankShouldRestart into the training thread; if that exception "
+            "is consumed on its way (seen once in CI: the join returned, nothing raised), the Wrapper ends "
+            "the process with InternalError and the job with it. After our abort ran in the monitor thread, "
+            "the join raises RankShouldRestart itself, with nothing left pending",
+        checks=(
+            Takes(f"{_MONITOR}.maybe_join", ("self", "timeout")),
+            Says(f"{_MONITOR}.maybe_join", "self.stop_raising.set()"),
+            Says(f"{_MONITOR}.run", "self.abort(state)"),
+            Says(f"{_MONITOR}.run", "async_abort_main_thread(msg)"),
+            Has(f"{_INPROCESS}.monitor_thread:RankShouldRestart"),
+            Says(f"{_INPROCESS}.wrap", "monitor_thread.maybe_join()"),
+            Says(f"{_INPROCESS}.wrap", "except RankShouldRestart as async_ex:"),
+            Says(f"{_MONITOR}.__init__", "self.state = state"),
+        ),
+        apply=_raise_the_restart_a_join_lost,
+        when=_inprocess_restart,
     ),
     Patch(
         name="NVRx local checkpointing modules",

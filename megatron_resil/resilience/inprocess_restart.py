@@ -27,9 +27,11 @@ import multiprocessing
 import os
 import socket
 import sys
+import threading
 import time
 import traceback
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -62,6 +64,9 @@ _EXIT_WRITER = "exit_writer"
 # none with CUDA, or with an NVRx that has none.
 gpu_health_checks_left_out: tuple[str, ...] = ()
 _EXIT_RECORD_TIMEOUT = datetime.timedelta(seconds=60)
+# The NVRx monitor threads that ran our abort: each then raises RankShouldRestart into the training thread
+# (patches/nvrx.py raises it again if it was lost on its way).
+aborted_by: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
 
 
 def run(pretrain: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
@@ -390,6 +395,7 @@ class ReleaseProcessGroups(inprocess.abort.Abort):
     groups), then every reference to them dropped, which is what closes gloo's connections."""
 
     def __call__(self, state: inprocess.FrozenState) -> inprocess.FrozenState:
+        aborted_by.add(threading.current_thread())
         if torch.cuda.is_available():
             inprocess.abort.AbortTransformerEngine()(state)
         inprocess.abort.AbortTorchDistributed()(state)
