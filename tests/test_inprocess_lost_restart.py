@@ -22,8 +22,8 @@ _SCRIPT = textwrap.dedent("""
     import datetime, sys, time
     from megatron_resil.patches import nvrx, registry
     guarded, lose = sys.argv[1] == "guarded", sys.argv[2] == "lose"
-    if guarded:
-        registry.install(only=(nvrx.RESTART_LOST,))
+    # as pretrain.py installs them under --inprocess-restart: NVRx 0.5+ checks a GPU before each restart
+    registry.install(only=(nvrx.NO_GPU_HEALTH_CHECKS, *([nvrx.RESTART_LOST] if guarded else [])))
     from nvidia_resiliency_ext import inprocess
     from nvidia_resiliency_ext.inprocess import monitor_thread, progress_watchdog
     from megatron_resil.resilience import inprocess_restart

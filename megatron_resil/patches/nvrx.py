@@ -140,6 +140,7 @@ def _keep_survivors_of_a_lost_rank() -> None:
 # ---- NVRx's own GPU health checks before an in-process restart, on a host without CUDA -----------------
 
 _INPROCESS = "nvidia_resiliency_ext.inprocess"
+NO_GPU_HEALTH_CHECKS = "NVRx's GPU health checks left out of in-process restarts without CUDA"
 _CONSTRUCT = f"{_INPROCESS}:Wrapper._construct_restart_health_check"
 # NVRx 0.5 and later chain checks of their own after the Wrapper's health_check and run them before every
 # restart (the Wrapper's `restart_health_check`; 0.4.1 has neither): one each for the GPU, its NVLinks and
@@ -239,7 +240,7 @@ def _async_replication(args: argparse.Namespace | None) -> bool:
 
 PATCHES = (
     Patch(
-        name="NVRx's GPU health checks left out of in-process restarts without CUDA",
+        name=NO_GPU_HEALTH_CHECKS,
         package=PACKAGE, written_for=WRITTEN_FOR,
         target=_CONSTRUCT,
         why="NVRx 0.5 and later chain GPU, NVLink and NIC checks (each reading LOCAL_RANK's GPU through "
