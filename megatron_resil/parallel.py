@@ -106,6 +106,20 @@ def _let_go_of_engines() -> None:
                 setattr(config, name, None)
 
 
+def empty_leaked_engines() -> int:
+    """After a failed attempt has unwound and its groups were released: a DDP chunk still alive is held
+    from outside Python's sight. Seen on gloo: a rank interrupted inside its optimizer step kept its DDP,
+    reachable from DDP's own gradient hooks through their C++ autograd nodes, and with it the groups its peers
+    were blocked in until NVRx's hard timeout. Its attributes are dropped (the module, the gradient buffers,
+    the bucket groups and their process groups), then collected. Returns how many were."""
+    leaked = list(_engines)
+    for chunk in leaked:
+        chunk.__dict__.clear()  # an nn.Module's parameters, submodules and hooks live in its __dict__
+    if leaked:
+        gc.collect()
+    return len(leaked)
+
+
 def release_process_groups() -> None:
     """Drop every process group this process holds, in whatever state (an attempt that failed): first
     megatron-core's references, then torch.distributed's, then the cycles. On gloo this is what frees a

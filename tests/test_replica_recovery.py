@@ -199,6 +199,25 @@ def test_a_shard_is_received_from_its_own_replica_under_tensor_and_pipeline_para
     assert launch.losses(out) == launch.losses(reference.stdout)
 
 
+_DISTOPT = ("--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2")
+
+
+def _distopt_dp4_run(tmp_path: Path, env: dict[str, str]) -> tuple[str, str, Path, Path]:
+    """The uninterrupted reference (torchrun, 4 ranks) and the run with `env`'s faults (4 training ranks
+    and a reserve, both instances' shards at DP 4): their outputs and final checkpoints' directories."""
+    reference = tmp_path / "reference"
+    uninterrupted = launch.run(reserves.args(reference, *_DISTOPT), nproc=4, timeout=600)
+    assert uninterrupted.returncode == 0, uninterrupted.stdout[-4000:]
+    save = tmp_path / "ckpt"
+    with reserves.running(save, tmp_path / "run.log", 0, [*_DISTOPT, "--inprocess-active-world-size", "4",
+                                                         "--recover-from-replicas"],
+                          env=env, processes=5) as run:
+        code = run.wait(timeout=600)
+    out = (tmp_path / "run.log").read_text()
+    assert code == 0, out[-6000:]
+    return uninterrupted.stdout, out, save, reference
+
+
 @pytest.mark.slow
 @pytest.mark.compat  # the distributed optimizer's accessors, on the users' megatron-core too
 def test_a_rank_killed_between_its_shard_update_and_the_all_gather_leaves_no_mixed_state(tmp_path):
@@ -208,18 +227,8 @@ def test_a_rank_killed_between_its_shard_update_and_the_all_gather_leaves_no_mix
     not gathered): it holds nothing and receives, as the reserve in rank 1's place does, from the other
     instance, which completed iteration 7. Training goes on at iteration 8, and the end state equals the
     uninterrupted run's bit for bit."""
-    distopt = ("--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2")
-    reference = tmp_path / "reference"
-    uninterrupted = launch.run(reserves.args(reference, *distopt), nproc=4, timeout=600)
-    assert uninterrupted.returncode == 0, uninterrupted.stdout[-4000:]
-    save = tmp_path / "ckpt"
-    with reserves.running(save, tmp_path / "run.log", 0, [*distopt, "--inprocess-active-world-size", "4",
-                                                         "--recover-from-replicas"],
-                          env={replica_recovery.DIE_AFTER_UPDATE_ENV: f"1:7:{tmp_path / 'died'}"},
-                          processes=5) as run:
-        code = run.wait(timeout=600)
-    out = (tmp_path / "run.log").read_text()
-    assert code == 0, out[-6000:]
+    reference_out, out, save, reference = _distopt_dp4_run(
+        tmp_path, {replica_recovery.DIE_AFTER_UPDATE_ENV: f"1:7:{tmp_path / 'died'}"})
     assert "[resil] fault: rank 1 is killed right after its optimizer updated its state in iteration 7" in out
     lines = _recovery_lines(out)
     assert len(lines) == 2 and lines[1].startswith(
@@ -229,7 +238,30 @@ def test_a_rank_killed_between_its_shard_update_and_the_all_gather_leaves_no_mix
     assert [e for e in reserves.events(save) if e["event"] == "loaded"] == []
     assert launch.differing_tensors(save / "iter_0000010", reference / "iter_0000010", tmp_path,
                                     weights_only=False) == []
-    reference_losses, losses = launch.losses(uninterrupted.stdout), launch.losses(out)
+    reference_losses, losses = launch.losses(reference_out), launch.losses(out)
+    assert {i: reference_losses[i] for i in losses} == losses and {8, 9, 10} <= set(losses), losses
+
+
+@pytest.mark.slow
+def test_where_every_replica_was_caught_inside_its_update_every_rank_reloads_the_checkpoint(tmp_path):
+    """As above, and rank 3, rank 1's replica in the other instance, stalls right after its own update in
+    iteration 7, so rank 2 waits in its all-gather: every live rank is caught inside the update. Their kept
+    state is iteration 6's commit, but their shards have stepped since (the keeper holds references, not
+    copies): given, it would mix two steps. Nothing is sent; every rank falls back to the newest checkpoint,
+    and the end state equals the uninterrupted run's bit for bit. (Found on the way: rank 3's DDP, interrupted
+    inside its optimizer step, outlived the attempt, held from outside Python's sight, and rank 2 waited in
+    their all-gather until NVRx's hard timeout; parallel.empty_leaked_engines.)"""
+    reference_out, out, save, reference = _distopt_dp4_run(
+        tmp_path, {replica_recovery.DIE_AFTER_UPDATE_ENV: f"1:7:{tmp_path / 'died'}",
+                   replica_recovery.HOLD_AFTER_UPDATE_ENV: f"3:7:{tmp_path / 'held'}"})
+    assert "[resil] fault: rank 3 stops until the restart right after its optimizer updated its state" in out
+    lines = _recovery_lines(out)
+    assert len(lines) == 2 and lines[1].startswith(
+        "[resil] recovery: same-step recovery not possible: no rank holds a committed step"), lines
+    assert [e["iteration"] for e in reserves.events(save) if e["event"] == "loaded"] == [4], out[-4000:]
+    assert launch.differing_tensors(save / "iter_0000010", reference / "iter_0000010", tmp_path,
+                                    weights_only=False) == []
+    reference_losses, losses = launch.losses(reference_out), launch.losses(out)
     assert {i: reference_losses[i] for i in losses} == losses and {8, 9, 10} <= set(losses), losses
 
 

@@ -412,6 +412,10 @@ class BetweenAttempts(inprocess.finalize.Finalize):
 
     def __call__(self, state: inprocess.FrozenState) -> inprocess.FrozenState:
         parallel.release_process_groups()  # again: the abort may have stopped part way (it collects)
+        if (leaked := parallel.empty_leaked_engines()):
+            print(f"[resil] inprocess: rank {parallel.rank()}: {leaked} model chunk(s) of the failed attempt "
+                  "were still held after it unwound (from outside Python's sight); emptied, so that their "
+                  "buffers and process groups go", file=sys.stderr, flush=True)
         gc.freeze()  # what is left is kept for the process's life (see run)
         _stop_checkpoint_writers()
         if self.empty_cuda_cache and torch.cuda.is_available():

@@ -59,10 +59,12 @@ from megatron_resil.resilience import restart_phases
 # receiver kills its own process with SIGKILL once it has the header, if the file this names does not exist
 # yet (it creates it first, so the fault strikes once in the job). "RANK:ITERATION:FILE": that rank kills
 # its own process right after its optimizer has updated its state in that iteration, before the collective
-# that follows (the distributed optimizer's all-gather), once in the job likewise.
+# that follows (the distributed optimizer's all-gather), once in the job likewise. Hold, in the same form:
+# that rank stops there instead, until the restart reaches it (a rank stalled inside its update).
 CORRUPT_TRANSFER_ENV = "RESIL_TEST_CORRUPT_REPLICA_TRANSFER"
 DIE_RECEIVING_ENV = "RESIL_TEST_DIE_RECEIVING_REPLICA_STATE"
 DIE_AFTER_UPDATE_ENV = "RESIL_TEST_DIE_AFTER_UPDATE"
+HOLD_AFTER_UPDATE_ENV = "RESIL_TEST_HOLD_AFTER_UPDATE"
 _MAX_HEADER_BYTES = 64 << 20
 _MAX_TENSORS = 1 << 20
 _SLACK_BYTES = 64 << 20
@@ -127,8 +129,8 @@ class Keeper:
         if self.enabled:
             for leaf in _leaves(optimizer):
                 leaf.optimizer.register_step_pre_hook(_begin_update)
-                if os.environ.get(DIE_AFTER_UPDATE_ENV):
-                    leaf.optimizer.register_step_post_hook(_die_after_update_if_told)
+                if os.environ.get(DIE_AFTER_UPDATE_ENV) or os.environ.get(HOLD_AFTER_UPDATE_ENV):
+                    leaf.optimizer.register_step_post_hook(_fault_after_update_if_told)
         if args.recover_from_replicas and generation == 0:
             if self.enabled:
                 events.decision("recovery", "same-step recovery on (--recover-from-replicas): after an "
@@ -397,20 +399,36 @@ def _die_once_if_told() -> None:
                   f"({DIE_RECEIVING_ENV})")
 
 
-def _die_after_update_if_told(*_) -> None:
-    rank, iteration, marker = os.environ[DIE_AFTER_UPDATE_ENV].split(":", 2)
+def _fault_after_update_if_told(*_) -> None:
     updating = (_kept.iteration if _kept is not None else 0) + 1
-    if parallel.rank() == int(rank) and updating == int(iteration):
-        _die_once(marker, f"rank {rank} is killed right after its optimizer updated its state in iteration "
-                  f"{iteration} ({DIE_AFTER_UPDATE_ENV})")
+    for env, what in ((DIE_AFTER_UPDATE_ENV, "is killed"),
+                      (HOLD_AFTER_UPDATE_ENV, "stops until the restart")):
+        if not os.environ.get(env):
+            continue
+        rank, iteration, marker = os.environ[env].split(":", 2)
+        if parallel.rank() == int(rank) and updating == int(iteration):
+            said = (f"rank {rank} {what} right after its optimizer updated its state in iteration "
+                    f"{iteration} ({env})")
+            if env == DIE_AFTER_UPDATE_ENV:
+                _die_once(marker, said)
+            elif _first_time(marker):
+                print(f"[resil] fault: {said}", flush=True)
+                while True:  # NVRx's RankShouldRestart ends it, raised into this thread
+                    time.sleep(0.01)
 
 
-def _die_once(marker: str, said: str) -> None:
+def _first_time(marker: str) -> bool:
     try:
         fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     except FileExistsError:
-        return
+        return False
     os.close(fd)
+    return True
+
+
+def _die_once(marker: str, said: str) -> None:
+    if not _first_time(marker):
+        return
     print(f"[resil] fault: {said}", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 
