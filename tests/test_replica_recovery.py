@@ -86,6 +86,28 @@ def test_a_reserve_in_killed_rank_0s_place_receives_its_state_and_training_goes_
 
 
 @pytest.mark.slow
+def test_a_rank_killed_inside_the_gradient_reduction_is_replaced_at_the_same_iteration(
+        uninterrupted, tmp_path):
+    """Rank 1 is killed in iteration 7 as its gradients' reduction begins, rank 0 being inside the
+    all-reduce (or entering it): the gradients of iteration 7 are lost with it, but no state had changed.
+    The reserve in rank 1's place receives from rank 0, and iteration 7 is taken again, exactly."""
+    losses, reference = uninterrupted
+    save = tmp_path / "ckpt"
+    out = _run(save, tmp_path / "run.log",
+               ["--inject-fault", "kill-in-grad-sync", "--inject-fault-ranks", "1"])
+    assert ("[resil] fault: injecting kill-in-grad-sync on rank 1 in iteration 7 as its gradients' reduction "
+            "begins") in out, out[-6000:]
+    lines = _recovery_lines(out)
+    assert len(lines) == 2 and lines[1].startswith(
+        "[resil] recovery: same-step recovery at iteration 6: rank 1 receives its state from rank 0 ("), lines
+    assert [e for e in reserves.events(save) if e["event"] == "loaded"] == []
+    assert [int(i) for i in _ITERATION.findall(out)] == list(range(1, 11)), _ITERATION.findall(out)
+    assert launch.losses(out) == losses
+    assert launch.differing_tensors(save / "iter_0000010", reference / "iter_0000010", tmp_path,
+                                    weights_only=False) == []
+
+
+@pytest.mark.slow
 def test_a_stopped_rank_is_terminated_and_the_reserve_in_its_place_goes_on_at_the_same_iteration(
         uninterrupted, tmp_path):
     """Rank 1 hangs before iteration 7 and its process is then stopped with SIGSTOP. NVRx finds it at the

@@ -8,7 +8,7 @@ from megatron_resil.arguments.errors import ArgumentError
 from megatron_resil.arguments.flag_table import Flag, add_flags
 
 KINDS = ("kill", "exception", "sigterm", "hang", "slow", "nan-loss", "spiky-loss", "crash-mid-save",
-         "flip-weight")
+         "flip-weight", "kill-in-grad-sync")
 
 
 FLAGS = (
@@ -19,7 +19,8 @@ FLAGS = (
               "x1000 (once: its rerun sees the true loss); crash-mid-save: die after writing the shards of "
               "the first save at or after that iteration, before it is published; flip-weight: flip one bit "
               "of one weight (the last weight matrix's largest element, in place: its data-parallel replicas "
-              "then differ)"),
+              "then differ); kill-in-grad-sync: SIGKILL itself in that iteration as its gradients' reduction "
+              "begins, its peers being inside it (after its forward and backward passes)"),
     Flag("--inject-fault-iteration", None, int, "the iteration at which the fault strikes (before it runs)"),
     Flag("--inject-fault-ranks", "0", str, "comma-separated global ranks (default 0)"),
     Flag("--inject-fault-slow-secs", 1.0, float),

@@ -16,6 +16,7 @@ import torch
 
 from megatron_resil import events, parallel
 from megatron_resil.checkpointing.atomic import atomic_write_text
+from megatron_resil.optimizer import before_grad_finalize
 
 
 class FaultInjector:
@@ -30,6 +31,9 @@ class FaultInjector:
         self.before_writing_state = None  # called before flip-weight writes (a pending async save's copy)
         self._struck = False
         self._slowing = False
+        self._iteration = None  # the one running (before_iteration's)
+        if self.here and self.kind == "kill-in-grad-sync" and model is not None:
+            before_grad_finalize(model, self._in_grad_sync)
 
     def _strike(self, what: str, every_pass: bool = False) -> bool:
         """True if this rank should inject now; records it first so a restart does not repeat it.
@@ -53,6 +57,7 @@ class FaultInjector:
         """Called before `iteration` runs."""
         if not self.here:
             return
+        self._iteration = iteration
         if self.kind == "slow" and iteration >= self.iteration:
             # Slow from the first strike on; a restarted job that already struck stays fast.
             if not self._struck:
@@ -77,6 +82,13 @@ class FaultInjector:
         else:  # hang: alive, but never reaching the next collective
             while True:
                 time.sleep(3600)
+
+    def _in_grad_sync(self) -> None:
+        """Called as this rank's gradient reduction begins: its peers that finished their backward pass
+        wait inside the all-reduce (or reduce-scatter) for this rank, which dies there."""
+        if self._iteration == self.iteration and self._strike(
+                f"in iteration {self.iteration} as its gradients' reduction begins"):
+            os.kill(os.getpid(), signal.SIGKILL)
 
     @torch.no_grad()
     def _flip_weight(self, iteration: int) -> None:
