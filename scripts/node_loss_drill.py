@@ -161,12 +161,20 @@ class Drill:
                "--nnodes", str(NODES), "--nproc-per-node", str(RANKS_PER_NODE), "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", f"drill-{self.variant}",
                "--rdzv-conf", f"keep_alive_interval={interval},keep_alive_max_attempt={attempts}",
-               "--local-addr", "127.0.0.1", "--max-restarts", "4", "--ft-enable-nic-monitor", "false", *FT,
+               "--local-addr", self.local_addr(node), "--max-restarts", "4",
+               "--ft-enable-nic-monitor", "false", *FT,
                str(REPO / "pretrain.py"), *self.pretrain_args(node)]
         log = open(self.work / log_name, "w")
         print(f"[drill] starting node {node} (log: {self.work / log_name})", flush=True)
         return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
+
+    @staticmethod
+    def local_addr(node: int) -> str:
+        """Each node's own loopback address. The rendezvous numbers the nodes in the order of their
+        (address, launcher pid): on one address, a pid that wrapped around gave node 1 the group ranks 0-1,
+        and the drill's hang, meant for node 1's ranks 2-3, struck node 0 (CI, stop 44)."""
+        return f"127.0.0.{node + 1}"
 
     def wait_for(self, what: str, ready) -> None:
         while not ready():
