@@ -148,10 +148,14 @@ _CONSTRUCT = f"{_INPROCESS}:Wrapper._construct_restart_health_check"
 GPU_HEALTH_CHECKS = ("ChainedGPUHealthCheck", "ChainedNVLHealthCheck", "ChainedNicHealthCheck")
 
 
+def _inprocess_restart(args: argparse.Namespace | None) -> bool:
+    return args is None or bool(getattr(args, "inprocess_restart", False))
+
+
 def _inprocess_restart_without_cuda(args: argparse.Namespace | None) -> bool:
     import torch
 
-    return not torch.cuda.is_available() and (args is None or bool(getattr(args, "inprocess_restart", False)))
+    return not torch.cuda.is_available() and _inprocess_restart(args)
 
 
 def _no_restart_health_checks() -> str | None:
@@ -189,10 +193,6 @@ def _gpu_health_checks_left_out_without_cuda() -> None:
 
 _MONITOR = f"{_INPROCESS}.monitor_thread:MonitorThread"
 RESTART_LOST = "a restart NVRx raised into the training thread and lost is raised again"
-
-
-def _inprocess_restart(args: argparse.Namespace | None) -> bool:
-    return args is None or bool(getattr(args, "inprocess_restart", False))
 
 
 def _raise_the_restart_a_join_lost() -> None:
