@@ -41,24 +41,21 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+from megatron_resil.launch.ports import free_loopback_port  # noqa: E402 - after the path above
+
 FULL = {"shape": (6, 1024, 16), "seq": 64, "vocab": 16384, "iters": 18, "interval": 3, "repeats": 1}
 QUICK = {"shape": (2, 64, 4), "seq": 64, "vocab": 1024, "iters": 8, "interval": 2, "repeats": 1}
 VARIANTS = ("none", "sync", "async", "local-sync", "local-async")
 TIERS = (("persistent", "sync", "async"), ("local", "local-sync", "local-async"))
 GOAL = 0.1
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _median(values: list[float]) -> float | None:
@@ -84,7 +81,8 @@ def run_variant(variant: str, workdir: str, cfg: dict, nproc: int, repo: str, ex
     if variant.endswith("async"):
         argv += ["--async-save"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_port()}", "--local-addr", "127.0.0.1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_loopback_port()}",
+           "--local-addr", "127.0.0.1",
            os.path.join(repo, "pretrain.py"), *argv]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p),
            "GLOO_SOCKET_IFNAME": "lo", "PYTHONWARNINGS": "ignore"}

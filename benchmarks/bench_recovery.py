@@ -28,7 +28,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,16 +36,13 @@ import time
 
 import harness
 
+from megatron_resil.launch.ports import free_loopback_port
+
 PRETRAIN = str(harness.REPO / "pretrain.py")
 FAULT_AT = 5
 FT_SECTIONS = ("--ft-rank-section-timeouts", "setup:600,step:180,checkpointing:420")
 _STEP_MS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+)")
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model(hidden: int, iters: int) -> list[str]:
@@ -56,7 +52,8 @@ def _model(hidden: int, iters: int) -> list[str]:
 
 def _ft_launcher(max_restarts: int) -> list[str]:
     return [sys.executable, "-m", "nvidia_resiliency_ext.fault_tolerance.launcher", "--nnodes", "1",
-            "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_port()}",
+            "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{free_loopback_port()}",
             "--local-addr", "127.0.0.1", "--max-restarts", str(max_restarts), "--ft-enable-nic-monitor",
             "false", *FT_SECTIONS]
 

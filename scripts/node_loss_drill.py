@@ -55,6 +55,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout, installed or not
 
 from megatron_resil import rank_process  # noqa: E402 - after the path above
+from megatron_resil.launch.ports import free_loopback_port  # noqa: E402
 from megatron_resil.tools import timeline  # noqa: E402
 
 VARIANTS = {
@@ -98,11 +99,6 @@ class DrillError(RuntimeError):
     """The drill could not run as planned (not the run's outcome): one line for the operator."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _signal_tree(pid: int, sig: int, include_root: bool = True) -> None:
     for target in [*rank_process.descendants_of(pid), *([pid] if include_root else [])]:
@@ -119,7 +115,7 @@ class Drill:
         self.variant, self.work, self.deadline = variant, work, time.monotonic() + timeout
         self.layout = layout
         self.save = work / "checkpoints"
-        self.port = _free_port()
+        self.port = free_loopback_port()
         self.nodes: dict[int, subprocess.Popen] = {}
         self.loss_unix: float | None = None
 

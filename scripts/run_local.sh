@@ -34,8 +34,9 @@ resil_check_python || exit 2
 resil_check_args "$@" >/dev/null || exit 2
 
 for ((requeue = 0; ; requeue++)); do
-  # A fresh port per attempt: the previous step's store may still hold the old one for a while.
-  RDZV_PORT="$("$RESIL_PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+  # A fresh port per attempt: the previous step's store may still hold the old one for a while. Drawn
+  # below the ephemeral range, where no outgoing connection can take it first (launch/ports.py).
+  RDZV_PORT="$(PYTHONPATH="$RESIL_ROOT${PYTHONPATH:+:$PYTHONPATH}" "$RESIL_PYTHON" -m megatron_resil.launch.ports)" || exit 1
   resil_launcher_cmd
   since="$(date +%s.%N)"
   resil_log "attempt $((requeue + 1)) (requeue $requeue of at most $MAX_REQUEUES): $NPROC_PER_NODE ranks, rendezvous on $RDZV_HOST:$RDZV_PORT, in-job restarts up to $MAX_RESTARTS"

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 # Processes are read through the project's one /proc/PID/stat reader.
+from megatron_resil.launch.ports import free_loopback_port
 from megatron_resil.rank_process import alive, children_of, descendants_of, proc_stat, processes  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
@@ -148,9 +148,7 @@ def ft_launcher_cmd(args: list[str], nproc: int = 2, max_restarts: int = 0,
     backend it supports), --max-restarts always given (its default is 0: no restart at all), and the
     NIC monitor off (its command-line default, true, overrides a YAML's enable_nic_monitor: false).
     `ft_args`: the --ft-* options, e.g. ("--ft-rank-section-timeouts", "setup:600,step:180,...")."""
-    with socket.socket() as s:  # a free port for the rendezvous store
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_loopback_port()  # for the rendezvous store
     return [sys.executable, "-m", "nvidia_resiliency_ext.fault_tolerance.launcher",
             "--nnodes", "1", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"127.0.0.1:{port}", "--local-addr", "127.0.0.1",

@@ -6,7 +6,6 @@ thread, and it is consumed on its way."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import textwrap
@@ -62,9 +61,7 @@ _LINE = "[resil] inprocess: rank 0: NVRx's restart signal to the training thread
 
 
 def _run(guarded: bool, lose: bool) -> subprocess.CompletedProcess:
-    with socket.socket() as s:  # a free port for the Wrapper's store
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = launch.free_loopback_port()  # for the Wrapper's store
     env = {**launch.env(standby=False), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
            "LOCAL_WORLD_SIZE": "1", "MASTER_PORT": str(port)}
     return subprocess.run([sys.executable, "-c", _SCRIPT, "guarded" if guarded else "bare",

@@ -17,6 +17,7 @@ import pytest
 from megatron_resil import events, exit_codes
 from megatron_resil.arguments import parse_args
 from megatron_resil.checkpointing import layout
+from megatron_resil.launch.ports import free_loopback_port
 from megatron_resil.resilience.straggler import (
     RankTiming,
     StragglerDetection,
@@ -80,16 +81,11 @@ def test_listing_names_worst_and_best_ranks_like_nvrx():
     assert len(everyone) == 7  # at most 2 x count ranks: all of them, worst first
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _detector_args(**overrides) -> argparse.Namespace:
     values = dict(straggler_report_interval=2, straggler_minmax_count=1, straggler_relative_threshold=0.75,
                   straggler_individual_threshold=0.75, straggler_stop_if_detected=False,
-                  disable_straggler_on_startup=False, straggler_ctrlr_port=_free_port())
+                  disable_straggler_on_startup=False, straggler_ctrlr_port=free_loopback_port())
     values.update(overrides)
     return argparse.Namespace(**values)
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -34,14 +33,10 @@ from megatron_resil.checkpointing.zarr_strategy import (
     check_metadata,
     register,
 )
+from megatron_resil.launch.ports import free_loopback_port
 
 REPO = Path(__file__).resolve().parents[1]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -50,7 +45,8 @@ def one_rank_group():
     if dist.is_initialized():
         yield
         return
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    port = free_loopback_port()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     register()
     yield
     dist.destroy_process_group()
@@ -314,7 +310,8 @@ def test_two_ranks_write_their_own_chunks(tmp_path):
     ckpt, out = tmp_path / "ckpt", tmp_path / "result"
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, str(script), str(_free_port()), str(ckpt), str(out)], cwd=REPO,
+    port = free_loopback_port()
+    proc = subprocess.Popen([sys.executable, str(script), str(port), str(ckpt), str(out)], cwd=REPO,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:

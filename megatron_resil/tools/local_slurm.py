@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+from megatron_resil.launch.ports import free_loopback_port
+
 # Another apt-get or dpkg (a second installer in a parallel test run, unattended upgrades) holds the lock:
 # wait for it rather than fail.
 APT_WAITS_FOR_LOCK = ["-o", "DPkg::Lock::Timeout=600"]
@@ -68,11 +70,6 @@ def install() -> None:
         raise SlurmUnavailable(f"installed {' '.join(PACKAGES)}, still missing {missing_binaries()}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def node_names(nodes: int) -> list[str]:
     """One node: this host's name. More: node1..nodeN, each its own slurmd on this host (`slurmd -N`)."""
@@ -91,8 +88,8 @@ def write_config(directory: Path, cpus: int | None = None, nodes: int = 1) -> Pa
     for name in names:
         (directory / f"spool-{name}").mkdir(exist_ok=True)
     # Several slurmd on one host tell themselves apart by node name (%n) and port.
-    node_lines = [f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={_free_port()} CPUs={cpus} "
-                  "State=UNKNOWN" for name in names]
+    node_lines = [f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={free_loopback_port()} "
+                  f"CPUs={cpus} State=UNKNOWN" for name in names]
     conf = directory / "slurm.conf"
     conf.write_text("\n".join([
         "ClusterName=resil",
@@ -102,7 +99,7 @@ def write_config(directory: Path, cpus: int | None = None, nodes: int = 1) -> Pa
         "AuthType=auth/none",
         "CredType=cred/none",
         "AuthInfo=cred_expire=10",
-        f"SlurmctldPort={_free_port()}",
+        f"SlurmctldPort={free_loopback_port()}",
         f"StateSaveLocation={directory / 'state'}",
         f"SlurmdSpoolDir={directory / 'spool-%n'}",
         f"SlurmctldPidFile={directory / 'slurmctld.pid'}",
