@@ -1,4 +1,4 @@
-"""megatron_resil.launch.ports: the rendezvous port is drawn where no outgoing connection can take it first."""
+"""megatron_resil.launch.ports: rendezvous ports are drawn where no outgoing connection takes them first."""
 from __future__ import annotations
 
 import socket

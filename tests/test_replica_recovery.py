@@ -224,20 +224,43 @@ def test_a_shard_is_received_from_its_own_replica_under_tensor_and_pipeline_para
 _DISTOPT = ("--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2")
 
 
-def _distopt_dp4_run(tmp_path: Path, env: dict[str, str]) -> tuple[str, str, Path, Path]:
-    """The uninterrupted reference (torchrun, 4 ranks) and the run with `env`'s faults (4 training ranks
-    and a reserve, both instances' shards at DP 4): their outputs and final checkpoints' directories."""
+def _dp4_run(tmp_path: Path, layout: tuple[str, ...], faults: list[str] = (),
+             env: dict[str, str] | None = None) -> tuple[str, str, Path, Path]:
+    """The uninterrupted reference (torchrun, 4 ranks) and the run with the faults (`faults`' flags, `env`'s
+    hooks; 4 training ranks and a reserve at DP 4, `layout`'s optimizer): their outputs and final
+    checkpoints' directories."""
     reference = tmp_path / "reference"
-    uninterrupted = launch.run(reserves.args(reference, *_DISTOPT), nproc=4, timeout=600)
+    uninterrupted = launch.run(reserves.args(reference, *layout), nproc=4, timeout=600)
     assert uninterrupted.returncode == 0, uninterrupted.stdout[-4000:]
     save = tmp_path / "ckpt"
-    with reserves.running(save, tmp_path / "run.log", 0, [*_DISTOPT, "--inprocess-active-world-size", "4",
-                                                         "--recover-from-replicas"],
+    with reserves.running(save, tmp_path / "run.log", 0, [*layout, "--inprocess-active-world-size", "4",
+                                                         "--recover-from-replicas", *faults],
                           env=env, processes=5) as run:
         code = run.wait(timeout=600)
     out = (tmp_path / "run.log").read_text()
     assert code == 0, out[-6000:]
     return uninterrupted.stdout, out, save, reference
+
+
+@pytest.mark.slow
+def test_under_plain_ddp_at_dp_4_a_killed_ranks_reserve_receives_from_a_live_peer_at_the_same_iteration(
+        tmp_path):
+    """DDP without the distributed optimizer, 4 data-parallel ranks and a reserve: every rank holds the
+    whole state, so any live peer can give it. Rank 2's process is killed with SIGKILL in iteration 7; the
+    reserve in its place receives rank 2's state from the lowest live peer, no checkpoint is read, every
+    iteration is logged once, and the end state equals the uninterrupted run's bit for bit."""
+    reference_out, out, save, reference = _dp4_run(
+        tmp_path, (), ["--inject-fault", "kill", "--inject-fault-ranks", "2",
+                       "--inject-fault-iteration", "7"])
+    lines = _recovery_lines(out)
+    assert len(lines) == 2 and lines[1].startswith(
+        "[resil] recovery: same-step recovery at iteration 6: rank 2 receives its state from rank 0 ("), lines
+    assert "no checkpoint read; training goes on at iteration 7" in lines[1]
+    assert [e for e in reserves.events(save) if e["event"] == "loaded"] == []
+    assert [int(i) for i in _ITERATION.findall(out)] == list(range(1, 11)), _ITERATION.findall(out)
+    assert launch.losses(out) == launch.losses(reference_out)
+    assert launch.differing_tensors(save / "iter_0000010", reference / "iter_0000010", tmp_path,
+                                    weights_only=False) == []
 
 
 @pytest.mark.slow
@@ -249,8 +272,8 @@ def test_a_rank_killed_between_its_shard_update_and_the_all_gather_leaves_no_mix
     not gathered): it holds nothing and receives, as the reserve in rank 1's place does, from the other
     instance, which completed iteration 7. Training goes on at iteration 8, and the end state equals the
     uninterrupted run's bit for bit."""
-    reference_out, out, save, reference = _distopt_dp4_run(
-        tmp_path, {replica_recovery.DIE_AFTER_UPDATE_ENV: f"1:7:{tmp_path / 'died'}"})
+    reference_out, out, save, reference = _dp4_run(
+        tmp_path, _DISTOPT, env={replica_recovery.DIE_AFTER_UPDATE_ENV: f"1:7:{tmp_path / 'died'}"})
     assert "[resil] fault: rank 1 is killed right after its optimizer updated its state in iteration 7" in out
     lines = _recovery_lines(out)
     assert len(lines) == 2 and lines[1].startswith(
@@ -273,9 +296,9 @@ def test_where_every_replica_was_caught_inside_its_update_every_rank_reloads_the
     and the end state equals the uninterrupted run's bit for bit. (Found on the way: rank 3's DDP, interrupted
     inside its optimizer step, outlived the attempt, held from outside Python's sight, and rank 2 waited in
     their all-gather until NVRx's hard timeout; parallel.empty_leaked_engines.)"""
-    reference_out, out, save, reference = _distopt_dp4_run(
-        tmp_path, {replica_recovery.DIE_AFTER_UPDATE_ENV: f"1:7:{tmp_path / 'died'}",
-                   replica_recovery.HOLD_AFTER_UPDATE_ENV: f"3:7:{tmp_path / 'held'}"})
+    reference_out, out, save, reference = _dp4_run(
+        tmp_path, _DISTOPT, env={replica_recovery.DIE_AFTER_UPDATE_ENV: f"1:7:{tmp_path / 'died'}",
+                                 replica_recovery.HOLD_AFTER_UPDATE_ENV: f"3:7:{tmp_path / 'held'}"})
     assert "[resil] fault: rank 3 stops until the restart right after its optimizer updated its state" in out
     lines = _recovery_lines(out)
     assert len(lines) == 2 and lines[1].startswith(
