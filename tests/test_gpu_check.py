@@ -25,7 +25,7 @@ FETCH = launch.REPO / "scripts" / "fetch_gpu_wheels.sh"
 CPU_STEPS = ["train", "save_sync_persistent", "save_async_persistent", "save_sync_local", "save_async_local",
              "async_stall_ratio", "step_time_ratio", "kill9_async_resume", "inprocess_restart", "straggler",
              "rerun_nan"]
-CUDA_STEPS = ["straggler_gpu", "standby", "transformer_engine"]
+CUDA_STEPS = ["collective_abort", "straggler_gpu", "standby", "transformer_engine"]
 _HANG_GUARD_S = 2400
 
 

@@ -7,12 +7,13 @@ minutes.
 Steps, each a real pretrain.py launch under torchrun (world size 1) unless said otherwise: install (the
 wheels, beside the machine's torch), train (the uninterrupted reference), synchronous and async saves to the
 persistent and the local tier (each run's losses the train run's exactly), SIGKILL during an async save then
-an exact resume, in-process restart, the straggler detector (and NVRx's CUDA kernel timing), the rerun state
-machine on an injected NaN, Transformer Engine (where installed: trained, saved, killed and resumed exactly),
-the standby, the step time against a bare megatron-core loop (alternated in rounds), the async-save stall
-ratio. A step that fails is recorded with its reason and the check goes on; each launch is bounded in time,
-and so is the whole. OUT gets results.json, summary.txt and logs/. Exit code 0 when no step failed, 1 when
-one did, 2 for bad arguments.
+an exact resume, in-process restart, an all-reduce with a dead peer freed by the abort (NCCL; needs two
+GPUs), the straggler detector (and NVRx's CUDA kernel timing), the rerun state machine on an injected NaN,
+Transformer Engine (where installed: trained, saved, killed and resumed exactly), the standby, the step
+time against a bare megatron-core loop (alternated in rounds), the async-save stall ratio. A step that
+fails is recorded with its reason and the check goes on; each launch is bounded in time, and so is the
+whole. OUT gets results.json, summary.txt and logs/. Exit code 0 when no step failed, 1 when one did, 2 for
+bad arguments.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ STEPS = {
     "step_time_ratio": train_steps.step_time_ratio,
     "kill9_async_resume": fault_steps.kill9_async_resume,
     "inprocess_restart": fault_steps.inprocess_restart,
+    "collective_abort": fault_steps.collective_abort,
     "straggler": fault_steps.straggler,
     "straggler_gpu": fault_steps.straggler_gpu,
     "rerun_nan": fault_steps.rerun_nan,

@@ -5,11 +5,14 @@ rerun state machine reruns in place and judges transient (exit 17)."""
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 import time
 
 from megatron_resil.tools.gpu_check.context import Check, Failed, Skipped, compare_losses, require_exit_0
-from megatron_resil.tools.gpu_check.runs import EventTail, events, kill_tree, losses, named
+from megatron_resil.tools.gpu_check.runs import REPO, EventTail, events, kill_tree, losses, named
 
 _ACCEPTED = re.compile(r"^\[resil\] load: accepted persistent iteration (\d+)", re.M)
 _POLL_S = 0.003
@@ -117,6 +120,31 @@ def inprocess_restart(check: Check) -> tuple[dict, str]:
              "launch_s": round(run.seconds, 1)},
             f"exception at {fault}, same process resumed from {expected}: {len(compared)} logged "
             "iterations exact")
+
+
+def collective_abort(check: Check) -> tuple[dict, str]:
+    """The collective-abort drill on NCCL (megatron_resil/tools/abort_drill.py): a rank inside an all-reduce
+    with a dead peer is freed by the in-process layer's abort, then forms a new group with a replacement.
+    Two processes, one GPU each: needs two GPUs (the machine we are lent has one; on CPU,
+    tests/test_abort_drill.py runs the same drill on gloo)."""
+    if not check.cuda:
+        raise Skipped("needs CUDA")
+    workdir = check.fresh_dir("abort_drill")
+    try:
+        done = subprocess.run([sys.executable, "-m", "megatron_resil.tools.abort_drill", "--backend", "nccl",
+                               "--workdir", str(workdir)], env=check.launcher.env, cwd=REPO,
+                              capture_output=True, text=True, timeout=check.timeout())
+    except subprocess.TimeoutExpired as expired:
+        raise Failed(f"the drill did not end within {expired.timeout:.0f} s") from None
+    if done.returncode == 2:  # "--backend nccl needs two GPUs; this machine has 1"
+        raise Skipped(done.stderr.strip().splitlines()[-1].removeprefix("abort_drill: error: "))
+    lines = done.stdout.strip().splitlines()
+    result = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else None
+    if done.returncode != 0 or not result or not result.get("ok"):
+        raise Failed(f"exit code {done.returncode}: {(lines[-1] if lines else done.stderr[-400:])[:600]}")
+    figures = {k: result[k] for k in ("hung_collective", "seconds_after_abort")}
+    return figures, (f"the all-reduce with a dead peer {result['hung_collective']} "
+                     f"{result['seconds_after_abort']} s after the abort; the new group's sum is right")
 
 
 def straggler(check: Check) -> tuple[dict, str]:
