@@ -110,8 +110,10 @@ def _signal_tree(pid: int, sig: int, include_root: bool = True) -> None:
 
 class Drill:
     def __init__(self, variant: str, work: Path, timeout: float, layout: str = "dp",
-                 standby: str | None = None, keep_alive: tuple[int, int] = KEEP_ALIVE) -> None:
+                 standby: str | None = None, keep_alive: tuple[int, int] = KEEP_ALIVE,
+                 replacement_first: bool = False) -> None:
         self.standby, self.keep_alive = standby, keep_alive
+        self.replacement_first = replacement_first
         self.variant, self.work, self.deadline = variant, work, time.monotonic() + timeout
         self.layout = layout
         self.save = work / "checkpoints"
@@ -141,7 +143,7 @@ class Drill:
         return [*args, "--inject-fault", "hang", "--inject-fault-iteration", str(LOSS_ITERATION),
                 "--inject-fault-ranks", lost]
 
-    def start_node(self, node: int, log_name: str) -> subprocess.Popen:
+    def start_node(self, node: int, log_name: str, replacement: bool = False) -> subprocess.Popen:
         env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
                "MASTER_ADDR": "127.0.0.1", "PYTHONUNBUFFERED": "1", "TORCH_CPP_LOG_LEVEL": "error",
                # Two "nodes" on one host: NVRx 0.7 closes a rendezvous that has two launchers on one
@@ -157,7 +159,7 @@ class Drill:
                "--nnodes", str(NODES), "--nproc-per-node", str(RANKS_PER_NODE), "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", f"drill-{self.variant}",
                "--rdzv-conf", f"keep_alive_interval={interval},keep_alive_max_attempt={attempts}",
-               "--local-addr", self.local_addr(node), "--max-restarts", "4",
+               "--local-addr", self.local_addr(node, replacement), "--max-restarts", "4",
                "--ft-enable-nic-monitor", "false", *FT,
                str(REPO / "pretrain.py"), *self.pretrain_args(node)]
         log = open(self.work / log_name, "w")
@@ -165,11 +167,14 @@ class Drill:
         return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
 
-    @staticmethod
-    def local_addr(node: int) -> str:
+    def local_addr(self, node: int, replacement: bool = False) -> str:
         """Each node's own loopback address. The rendezvous numbers the nodes in the order of their
         (address, launcher pid): on one address, a pid that wrapped around gave node 1 the group ranks 0-1,
-        and the drill's hang, meant for node 1's ranks 2-3, struck node 0 (CI, stop 44)."""
+        and the drill's hang, meant for node 1's ranks 2-3, struck node 0 (CI, stop 44). With
+        --replacement-first the nodes start on 127.0.0.2 and .3 and the replacement comes on 127.0.0.1, so
+        it sorts first: it gets ranks 0-1, and node 0 ranks 2-3, whose directories are on the node lost."""
+        if self.replacement_first:
+            return "127.0.0.1" if replacement else f"127.0.0.{node + 2}"
         return f"127.0.0.{node + 1}"
 
     def wait_for(self, what: str, ready) -> None:
@@ -207,7 +212,8 @@ class Drill:
         # before anything reads it.
         self.lose_node(LOST_NODE)
         self.damage_replicas()
-        self.nodes[LOST_NODE] = self.start_node(LOST_NODE, f"node{LOST_NODE}-replacement.log")
+        self.nodes[LOST_NODE] = self.start_node(LOST_NODE, f"node{LOST_NODE}-replacement.log",
+                                                replacement=True)
         codes = {}
         for node, proc in self.nodes.items():
             try:
@@ -298,7 +304,8 @@ class Drill:
         restarts = sum(1 for e in events if e["event"] == "start") - 1
         checks = [("the restarts stayed bounded (at most 4)", 0 < restarts <= 4)]
         if self.variant == "a":
-            checks += [("resumed from the local tier, node 1's shards from their replicas",
+            checks += [("resumed from the local tier, node 1's shards from their replicas"
+                        + (", every rank's from the node it was moved off" if self.replacement_first else ""),
                         any(e["tier"] == "local" for e in loaded)),
                        ("no checkpoint rejected", not has("load", verdict="rejected")),
                        ("training finished (exit code 0)", code == 0 and has("finished"))]
@@ -365,6 +372,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-alive", default="x".join(map(str, KEEP_ALIVE)), metavar="SxN",
                         help="the launchers' rendezvous heartbeat every S seconds, a node dropped after N "
                              "missed (default: %(default)s; NVRx's own: 5x3)")
+    parser.add_argument("--replacement-first", action="store_true",
+                        help="the replacement node's address sorts before node 0's, so the ranks change "
+                             "nodes after the loss (node 0 runs ranks 2-3, the replacement 0-1): the local "
+                             "tier must follow them (docs/drills.md)")
     args = parser.parse_args(argv)
     interval, _, attempts = args.keep_alive.partition("x")
     if not (interval.isdigit() and attempts.isdigit() and int(interval) >= 1 and int(attempts) >= 1):
@@ -376,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
         if work.exists() and (not work.is_dir() or any(work.iterdir())):
             parser.error(f"--workdir {work} exists and is not an empty directory; name a new one")
         work.mkdir(parents=True, exist_ok=True)
-    drill = Drill(args.variant, work, args.timeout, args.layout, args.standby, (int(interval), int(attempts)))
+    drill = Drill(args.variant, work, args.timeout, args.layout, args.standby, (int(interval), int(attempts)),
+                  args.replacement_first)
     try:
         return drill.run()
     except DrillError as err:

@@ -76,7 +76,11 @@ def test_bad_copies_are_set_aside_and_each_rank_uses_a_verified_one(two_ranks_cr
     _truncate(_shard(root, holder=1, owner=0))  # a replica: rank 0's own copy is used
     # A crashed save's leftover must not block the next save of that iteration (it does in NVRx).
     (root / "local" / "0" / "iter_0000009_0_local.dirty.pt").write_bytes(b"torn")
+    # A file named almost like a shard is not ours: passed over, never read, never removed.
+    odd = root / "local" / "0" / "iter_0000006_x_local.pt"
+    odd.write_bytes(b"not a shard")
     out = _resume(root)
+    assert odd.read_bytes() == b"not a shard"
     assert "rank 1's copy of rank 1's shard rejected (fails its owner's checksum" in out
     assert "rank 1's copy of rank 0's shard rejected (" in out
     assert "shards fetched from replicas: rank 1 from rank 0" in out
@@ -85,7 +89,7 @@ def test_bad_copies_are_set_aside_and_each_rank_uses_a_verified_one(two_ranks_cr
         ["iter_0000006_0_local.pt", "iter_0000006_1_local.pt"]
     assert "successfully saved local checkpoint from iteration       9" in out
     for rank in range(2):  # one iteration kept, own shard and the peer's copy
-        names = sorted(p.name for p in (root / "local" / str(rank)).glob("iter_*_local.pt"))
+        names = sorted(p.name for p in (root / "local" / str(rank)).glob("iter_*_local.pt") if p != odd)
         assert names == sorted(f"iter_0000009_{owner}_local.pt" for owner in (0, 1))
 
 

@@ -25,10 +25,10 @@ pytestmark = pytest.mark.slow
 DRILL = str(launch.REPO / "scripts" / "node_loss_drill.py")
 
 
-def _drill(variant: str, tmp_path: Path, parallel_layout: str = "dp") -> tuple[str, Path]:
+def _drill(variant: str, tmp_path: Path, parallel_layout: str = "dp", *extra: str) -> tuple[str, Path]:
     work = tmp_path / "drill"
     result = subprocess.run([sys.executable, DRILL, "--variant", variant, "--workdir", str(work),
-                             "--layout", parallel_layout, "--timeout", "420"], env=launch.env(),
+                             "--layout", parallel_layout, "--timeout", "420", *extra], env=launch.env(),
                             cwd=launch.REPO, timeout=480,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     # Every node's log: the rendezvous may give either launcher the group rank of rank 0 after the loss.
@@ -97,6 +97,23 @@ def test_a_replicas_intact_resume_from_the_surviving_node(tmp_path):
     assert "iteration       14/      14" in log or "iteration 14/" in log.replace("  ", " ")
     # The replacement node's directories hold their shards again (the lost node is whole again).
     assert sorted(p.name for p in (work / "node1" / "local" / "2").glob("iter_*_local.pt"))
+
+
+def test_a_with_the_ranks_moved_to_other_nodes_the_local_tier_follows_them(tmp_path):
+    """Issue 37 item 7. The replacement node's address sorts first, so after the loss it runs ranks 0-1
+    and node 0 runs ranks 2-3. Node 0's disk holds the directories of ranks 0 and 1 (their shards and the
+    replicas of 2 and 3); the replacement's is empty. Ranks 2 and 3 read those directories left behind,
+    and ranks 0 and 1 receive their shards from them over the new groups: the local tier loads, not the
+    global one (which it did before: 'accepted persistent iteration 6', two iterations computed again)."""
+    log, work = _drill("a", tmp_path, "dp", "--replacement-first")
+    assert "as rank 0 in a world of size 2" in (work / "node1-replacement.log").read_text()
+    assert "shards fetched from replicas: rank 0 from rank 2, rank 1 from rank 3" in log, log[-6000:]
+    assert "[resil] load: accepted local iteration 8" in log
+    assert "accepted persistent" not in log
+    # The ranks save where they run now: ranks 0 and 1 on the replacement, 2 and 3 on node 0.
+    for node, ranks in ((1, (0, 1)), (0, (2, 3))):
+        for rank in ranks:
+            assert sorted(p.name for p in (work / f"node{node}" / "local" / str(rank)).glob("iter_0000014_*"))
 
 
 def test_b_a_corrupted_replica_is_rejected_and_the_global_checkpoint_loads(tmp_path):

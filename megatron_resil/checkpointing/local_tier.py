@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import socket
 import threading
 import time
 from pathlib import Path
@@ -44,6 +46,7 @@ from megatron_resil.checkpointing.replication import (
     build_clique_strategy,
     clique_groups,
     comm_device,
+    world_retrieval,
 )
 from megatron_resil.checkpointing.sealed_shard import SealedShard, crc32_of, read_payload, serialize
 from megatron_resil.checkpointing.shard_writer import ChecksummingStream
@@ -91,9 +94,15 @@ class _VerifiableLocalManager(LocalCheckpointManager):
                 if Path(str(self._local_ckpt_path_from_id(ckpt_id)) + MANIFEST_SUFFIX).exists()]
 
     def _cleanup(self, iteration: int) -> None:
-        super()._cleanup(iteration)
+        # NVRx's own removes every iter_*_*_local.pt of an older iteration, and a file named otherwise
+        # (iter_0000006_x_local.pt) raised ValueError there, failing the save on one rank: ours removes only
+        # shards named as NVRx names them, with their manifests.
+        for path, its_iteration, _ in _shard_files(self.local_ckpt_dir):
+            if its_iteration < iteration:
+                path.unlink(missing_ok=True)
         for path in self.local_ckpt_dir.glob("iter_*_local.pt" + MANIFEST_SUFFIX):
-            if _iteration_of(path.name) < iteration:
+            match = _SHARD_NAME.fullmatch(path.name[:-len(MANIFEST_SUFFIX)])
+            if match is not None and int(match.group(1)) < iteration:
                 path.unlink(missing_ok=True)
 
     def _cleanup_failed_save(self, iteration: int) -> None:
@@ -157,12 +166,21 @@ def write_streamed(final: Path, dirty: Path, state: MCoreTensorAwareStateDict, m
     dirty.rename(final)
 
 
+_SHARD_NAME = re.compile(r"iter_(\d+)_(\d+)_local\.pt")  # NVRx's name: iteration, owner
+
+
 def _iteration_of(name: str) -> int:
     return int(name.split("_")[1])
 
 
-def _owner_of(name: str) -> int:
-    return int(name.split("_")[2])
+def _shard_files(directory: Path) -> list[tuple[Path, int, int]]:
+    """(path, iteration, owner) of the shards under final names in `directory`; a file named otherwise
+    (another tool's, a hand-made copy) is not ours to read and is passed over."""
+    found = []
+    for path in sorted(directory.glob("iter_*_*_local.pt")):
+        if (match := _SHARD_NAME.fullmatch(path.name)) is not None:
+            found.append((path, int(match.group(1)), int(match.group(2))))
+    return found
 
 
 class LocalTier(CheckpointTier):
@@ -185,6 +203,7 @@ class LocalTier(CheckpointTier):
         self._fetched: tuple[int, MCoreTensorAwareStateDict] | None = None
         self._cleaner: threading.Thread | None = None  # removing an async save's older iteration
         self._async_spread: tuple | None = None  # (the state's structure, its data-parallel spread)
+        self._left_behind: list[Path] = []  # other ranks' directories this rank reads (_find_left_behind)
 
     @property
     def my_dir(self) -> Path:
@@ -192,17 +211,37 @@ class LocalTier(CheckpointTier):
 
     # ---- load side -------------------------------------------------------------------------
     def _my_files(self, iteration: int | None = None) -> dict[int, Path]:
-        """{owner: path} of the shards under final names in this rank's directory."""
-        if not self.my_dir.is_dir():
-            return {}
-        found = {}
-        for path in self.my_dir.glob("iter_*_*_local.pt"):
-            if iteration is None or _iteration_of(path.name) == iteration:
-                found[_owner_of(path.name)] = path
+        """{owner: path} of the shards under final names in this rank's directory, then in the directories
+        this rank reads for ranks now on other nodes (_find_left_behind); its own directory's copy first."""
+        found: dict[int, Path] = {}
+        for directory in (self.my_dir, *self._left_behind):
+            if not directory.is_dir():
+                continue
+            for path, its_iteration, owner in _shard_files(directory):
+                if iteration is None or its_iteration == iteration:
+                    found.setdefault(owner, path)
         return found
+
+    def _find_left_behind(self) -> None:
+        """Collective. After a node swap the rendezvous may place ranks on other nodes than the ones that
+        hold their directories: `<root>/<r>/` then sits on a node where rank r no longer runs. The ranks
+        that share this node's root read those directories too (each one by one of them, in turn), so
+        the shards in them are offered like any replica and reach their owners over the new groups."""
+        where = parallel.all_gather_object((socket.gethostname(), os.path.realpath(self.root)))
+        me, world = parallel.rank() if len(where) > 1 else 0, len(where)
+        sharers = [r for r in range(world) if where[r] == where[me]]
+        root = Path(self.root)
+        try:
+            names = sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and not p.is_symlink()
+                           and p.is_dir()) if root.is_dir() else []
+        except OSError:
+            names = []
+        orphans = [d for d in names if d < world and d not in sharers]
+        self._left_behind = [root / str(d) for i, d in enumerate(orphans) if sharers[i % len(sharers)] == me]
 
     def candidates(self) -> list[TierCandidate]:
         self._cleaned()
+        self._find_left_behind()
         mine = sorted({_iteration_of(p.name) for p in self._my_files().values()})
         everywhere = sorted({it for part in parallel.all_gather_object(mine) for it in part}, reverse=True)
         return [TierCandidate(self.name, it, self._describe(it), "node-local shards") for it in everywhere]
@@ -280,12 +319,14 @@ class LocalTier(CheckpointTier):
         return f"no verified copy of its shard (own copy: {own}{replicas})"
 
     def _fetch(self, iteration: int, good: dict[int, SealedShard], reports) -> tuple[SealedShard, int]:
+        """Collective: each rank gets its shard, its own copy or one from any rank that holds a verified
+        copy (a clique replica, or its directory read on the node it was left on), over the world group."""
         me = parallel.rank()
-        strategy = self.manager.repl_strategy
-        if strategy is None:
-            return good[me], me
+        if all(rank in owners for rank, (owners, _) in enumerate(reports)):
+            return good[me], me  # every rank holds its own: nothing moves
         ids = [[(iteration, owner, SESSION) for owner in owners] for owners, _ in reports]
         wanted = (iteration, me, SESSION)
+        strategy = world_retrieval()
         plan = strategy.retrieve_plan(ids, [wanted])
         mine = {ckpt_id: good[ckpt_id[1]] for ckpt_id in plan.required_ids()}
         assert all(shard is not None for shard in mine.values()), "a sender's copy was not read"
@@ -335,7 +376,7 @@ class LocalTier(CheckpointTier):
         if not paths:
             return
         target = self.my_dir / QUARANTINE_DIR
-        target.mkdir(exist_ok=True)
+        target.mkdir(parents=True, exist_ok=True)  # this rank's directory may be on another node now
         for path in paths:
             for part in (path, Path(str(path) + MANIFEST_SUFFIX)):
                 if part.exists():
@@ -539,8 +580,7 @@ def inspect_copies(root: str, checksums: bool = True) -> dict[int, dict[int, dic
     for rank_dir in sorted(Path(root).iterdir()) if Path(root).is_dir() else []:
         if not (rank_dir.is_dir() and rank_dir.name.isdigit()):
             continue
-        for path in sorted(rank_dir.glob("iter_*_*_local.pt")):
-            iteration, owner = _iteration_of(path.name), _owner_of(path.name)
+        for path, iteration, owner in _shard_files(rank_dir):
             _, why = read_copy(path, iteration, owner, checksums=checksums)
             found.setdefault(iteration, {}).setdefault(owner, {})[int(rank_dir.name)] = why
     return found

@@ -68,6 +68,12 @@ def build_clique_strategy(jump: int, factor: int) -> CliqueReplicationStrategy:
     return CliqueReplicationStrategy(_PointToPointGroup(mine), target_device="cpu")
 
 
+def world_retrieval() -> CliqueReplicationStrategy:
+    """NVRx's retrieval over every rank: a shard may come from any rank holding a verified copy, not only
+    from its clique (a directory read on the node its rank was moved off, local_tier._find_left_behind)."""
+    return CliqueReplicationStrategy(_PointToPointGroup(dist.group.WORLD), target_device="cpu")
+
+
 @dataclass(frozen=True)
 class WorkerReplication:
     """Where and how the async workers of a job form their replication group (pickled to each worker)."""
