@@ -21,7 +21,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.utils import Split, get_blend_from_list
 
-from megatron_resil import batch_schedule, fim
+from megatron_resil import batch_schedule, fim, parallel
 from megatron_resil.tokenizer import Tokenizer
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
@@ -126,12 +126,13 @@ def _process_group() -> Iterator[None]:
 
 
 def build_datasets(
-    args: argparse.Namespace, tokenizer: Tokenizer
+    args: argparse.Namespace, tokenizer: Tokenizer, group: bool = True
 ) -> tuple[torch.utils.data.Dataset, torch.utils.data.Dataset | None]:
     """Build (train, valid) GPT datasets; valid is None when eval_iters is 0 or the split gives it nothing.
 
     Collective when torch.distributed is initialised: every rank must call it, rank 0 builds the
-    index caches first and the others then read them.
+    index caches first and the others then read them. Without it, a throwaway group of this process alone
+    (see _process_group), unless `group` is False (mock data, which needs none).
     """
     if not args.mock_data and not args.data_path:
         # megatron-core would silently fall back to mock data without a blend.
@@ -163,11 +164,53 @@ def build_datasets(
         _check_splits_have_tokens(config, args.split)
     dataset_cls = MockGPTDataset if args.mock_data else FIMGPTDataset if extra else GPTDataset
     # Every rank samples its own microbatches, so every rank needs the datasets.
-    with _process_group():
+    with _process_group() if group else contextlib.nullcontext():
         train_ds, valid_ds, _ = BlendedMegatronDatasetBuilder(
             dataset_cls, [train_samples, valid_samples, 0], lambda: True, config
         ).build()
     return train_ds, valid_ds
+
+
+# What build_datasets reads, directly or through the tokenizer, the FIM settings and the batch schedule.
+_DATASET_ARGS = ("mock_data", "data_path", "split", "seed", "seq_length", "data_cache_path", "save",
+                 "mmap_bin_files", "train_samples", "train_iters", "eval_interval", "eval_iters",
+                 "eval_global_batch_size", "global_batch_size", "micro_batch_size", "data_parallel_size",
+                 "step_batch_size_schedule", "rampup_batch_size", "vocab_size", "vocab_file", "merge_file",
+                 "trust_remote_code")
+_DATASET_ARG_PREFIXES = ("fim_", "tokenizer_", "tiktoken_")
+_kept: tuple[tuple, tuple] | None = None  # (what they were built from, (train, valid)): this process's
+
+
+def _built_from(args: argparse.Namespace) -> tuple:
+    return tuple(sorted((name, repr(value)) for name, value in vars(args).items()
+                        if name in _DATASET_ARGS or name.startswith(_DATASET_ARG_PREFIXES)))
+
+
+def build_ahead(args: argparse.Namespace, tokenizer: Tokenizer) -> None:
+    """Before the first in-process attempt, in every process, reserves included, and without a process
+    group: mock data's datasets, kept for every attempt (datasets_for_attempt). Mock data only: it is built
+    in memory (its shuffle index, about 0.5 s here), while real data's index caches are written by one rank
+    for all, which a build without the job's process group would race."""
+    global _kept
+    if args.mock_data:
+        # Without even a throwaway process group: torch.distributed's first group of the process, made and
+        # destroyed here, left gloo collectives of the attempts that followed without their timeout
+        # (a peer stopped with SIGSTOP then blocked a survivor until NVRx's hard timeout).
+        _kept = (_built_from(args), build_datasets(args, tokenizer, group=False))
+
+
+def datasets_for_attempt(args: argparse.Namespace, tokenizer: Tokenizer) -> tuple[tuple, bool]:
+    """Collective: ((train, valid), whether they were kept). Kept: the datasets this process built in an
+    earlier attempt (or ahead of the first), when every rank has them for the same arguments, so a restart
+    in the same processes does not build them again. Otherwise every rank builds them, together
+    (megatron-core's build has barriers of its own)."""
+    global _kept
+    key = _built_from(args)
+    if parallel.all_ranks_agree(_kept is not None and _kept[0] == key):
+        return _kept[1], True
+    built = build_datasets(args, tokenizer)
+    _kept = (key, built)
+    return built, False
 
 
 def get_microbatch(

@@ -63,6 +63,9 @@ def initialize(args: argparse.Namespace) -> None:
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
         order="tp-cp-ep-pp-dp" if args.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp",  # as Megatron-LM
         create_gloo_process_groups=args.use_gloo_process_groups,
+        # As Megatron-LM: every group megatron-core makes (data-parallel, tensor-parallel, ...) times out as
+        # the default one does. Left out, they waited 30 minutes whatever the flag said.
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
     )
     set_seeds(args.seed, **gpu_features.seed_kwargs(args))
     gpu_features.set_up(args)

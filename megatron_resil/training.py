@@ -32,7 +32,7 @@ from megatron_resil import (
     phase_marks,
 )
 from megatron_resil.checkpointing import CheckpointConfig, CheckpointManager, CheckpointSaveError
-from megatron_resil.data import build_datasets, get_microbatch
+from megatron_resil.data import datasets_for_attempt, get_microbatch
 from megatron_resil.model import build_model_chunks, padded_vocab_size
 from megatron_resil.optimizer import (
     build_optimizer,
@@ -131,7 +131,8 @@ def _pretrain(args: argparse.Namespace, ft: FaultTolerance) -> int:
     with signal_handler.loading():  # a signal now ends the process: a load can block past any grace
         progress = _recovered_or_loaded(args, (model, optimizer, scheduler), checkpoints, keeper)
     phase_marks.mark("loaded")
-    train_ds, valid_ds = build_datasets(args, tokenizer)
+    (train_ds, valid_ds), kept = datasets_for_attempt(args, tokenizer)
+    restart_phases.attempt_detail("datasets_kept", kept)
     phase_marks.mark("data")
     ft.setup_done(resumed=progress.iteration > 0)
     try:

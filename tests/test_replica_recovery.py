@@ -83,6 +83,8 @@ def test_a_reserve_in_killed_rank_0s_place_receives_its_state_and_training_goes_
     # The restart's phases: the reserve's attempt is an in-process one, and its "load" is the transfer.
     phases = [e for e in events if e["event"] == "restart_phases"]
     assert phases[-1]["kind"] == "in-process restart" and phases[-1]["details"]["same_step"], phases[-1]
+    # No rank built the datasets again: the survivor kept its own, the reserve built them while it waited.
+    assert phases[-1]["details"]["datasets_kept"] is True, phases[-1]
 
 
 @pytest.mark.slow

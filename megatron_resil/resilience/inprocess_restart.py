@@ -38,9 +38,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_resil import events, exit_codes, parallel
+from megatron_resil import data, events, exit_codes, parallel
 from megatron_resil.rank_process import AGENT_STORE_ENV
 from megatron_resil.resilience import replica_recovery, restart_phases
+from megatron_resil.tokenizer import build_tokenizer
 
 with warnings.catch_warnings():  # NVRx's pynvml deprecation warning is noise on every rank
     warnings.simplefilter("ignore")
@@ -78,6 +79,8 @@ def run(pretrain: Callable[[argparse.Namespace], int], args: argparse.Namespace)
     wrapper = _wrapper(args, stores, attempts)
     attempts.health_checks_left_out = gpu_health_checks_left_out
     wrapped = wrapper(attempts.run)
+    # Every process, reserves too, so that no attempt builds them: the datasets are the same in each.
+    data.build_ahead(args, build_tokenizer(args))
     # What the imports made lives as long as the process: out of the collector's sight, a restart's
     # collection takes milliseconds, not the second or more that pauses every thread (NVRx collects
     # after each rank assignment; a long pause can make a healthy rank miss its heartbeats).
