@@ -12,7 +12,7 @@ from __future__ import annotations
 
 SECONDS_PER_FILE = {  # seconds per file, three at a time on a quiet machine, 2026-11-26 (stop 31's
     # profile, `--durations=0`; test_tokenizers and test_resume as after that stop's cuts)
-    "test_node_loss_drill.py": 238, "test_slurm.py": 231, "test_resume.py": 220, "test_async_save.py": 216,
+    "test_node_loss_drill.py": 290, "test_slurm.py": 231, "test_resume.py": 220, "test_async_save.py": 216,
     "test_integrity.py": 149, "test_engine.py": 121, "test_megatron_lm_checkpoints.py": 106,
     "test_gpu_check.py": 104, "test_megatron_flags.py": 103, "test_exit_signal.py": 103,
     "test_tokenizers.py": 100, "test_rerun.py": 88, "test_disk_full.py": 86, "test_fault_injection.py": 83,
@@ -36,7 +36,7 @@ SECONDS_PER_FILE = {  # seconds per file, three at a time on a quiet machine, 20
     # 40 s).
     "test_replica_recovery.py": 540,
     # Stop 44's: three processes of NVRx's Wrapper, about 45 s.
-    "test_inprocess_lost_restart.py": 45,
+    "test_inprocess_lost_restart.py": 45, "test_abort_drill.py": 30, "test_group_timeouts.py": 20,
 }
 
 
