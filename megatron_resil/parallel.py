@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from megatron_resil import gpu_features
+from megatron_resil import gpu_features, group_connections
 from megatron_resil.rank_process import is_rank0, rank  # noqa: F401 - the trainer's modules ask them here
 
 # The store torch.distributed starts from during one in-process restart attempt (see
@@ -42,31 +42,33 @@ def initialize(args: argparse.Namespace) -> None:
     """Start torch.distributed from torchrun's environment and build megatron-core's groups."""
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if not dist.is_initialized():
-        timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
-        if _attempt_store is not None:
-            dist.init_process_group(backend=args.distributed_backend, timeout=timeout, store=_attempt_store,
-                                    rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-        elif "RANK" in os.environ:  # launched by torchrun, ft_launcher or srun
-            dist.init_process_group(backend=args.distributed_backend, timeout=timeout)
-        else:  # `python pretrain.py ...`: one process, no launcher needed
-            dist.init_process_group(backend=args.distributed_backend, timeout=timeout,
-                                    store=dist.HashStore(), rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-        context_parallel_size=args.context_parallel_size,
-        hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes,
-        expert_model_parallel_size=args.expert_model_parallel_size,
-        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
-        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
-        order="tp-cp-ep-pp-dp" if args.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp",  # as Megatron-LM
-        create_gloo_process_groups=args.use_gloo_process_groups,
-        # As Megatron-LM: every group megatron-core makes (data-parallel, tensor-parallel, ...) times out as
-        # the default one does. Left out, they waited 30 minutes whatever the flag said.
-        distributed_timeout_minutes=args.distributed_timeout_minutes,
-    )
+    with group_connections.tracking():  # for an abort on gloo (group_connections.py)
+        if not dist.is_initialized():
+            timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
+            if _attempt_store is not None:
+                dist.init_process_group(backend=args.distributed_backend, timeout=timeout,
+                                        store=_attempt_store, rank=int(os.environ["RANK"]),
+                                        world_size=int(os.environ["WORLD_SIZE"]))
+            elif "RANK" in os.environ:  # launched by torchrun, ft_launcher or srun
+                dist.init_process_group(backend=args.distributed_backend, timeout=timeout)
+            else:  # `python pretrain.py ...`: one process, no launcher needed
+                dist.init_process_group(backend=args.distributed_backend, timeout=timeout,
+                                        store=dist.HashStore(), rank=0, world_size=1)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=args.tensor_model_parallel_size,
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+            context_parallel_size=args.context_parallel_size,
+            hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes,
+            expert_model_parallel_size=args.expert_model_parallel_size,
+            expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+            num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+            order="tp-cp-ep-pp-dp" if args.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp",  # as Megatron-LM
+            create_gloo_process_groups=args.use_gloo_process_groups,
+            # As Megatron-LM: every group megatron-core makes (data-parallel, tensor-parallel, ...) times
+            # out as the default one does. Left out, they waited 30 minutes whatever the flag said.
+            distributed_timeout_minutes=args.distributed_timeout_minutes,
+        )
     set_seeds(args.seed, **gpu_features.seed_kwargs(args))
     gpu_features.set_up(args)
 
@@ -125,9 +127,10 @@ def empty_leaked_engines() -> int:
 
 def release_process_groups() -> None:
     """Drop every process group this process holds, in whatever state (an attempt that failed): first
-    megatron-core's references, then torch.distributed's, then the cycles. On gloo this is what frees a
-    peer blocked in a collective with this rank: gloo has no abort (`abort()` and `shutdown()` leave the
-    peer waiting), only a group that is no longer referenced closes its connections."""
+    megatron-core's references, then torch.distributed's, then the cycles. On gloo a group that is no
+    longer referenced closes its connections, which frees a peer blocked in a collective with this rank
+    (gloo's `abort()` and `shutdown()` leave it waiting); a collective of this rank's own, blocked with a
+    hung peer, is ended by the abort before this (group_connections.end)."""
     _let_go_of_engines()
     parallel_state.destroy_model_parallel()
     for name in _LEFT_BY_DESTROY:  # so these go too (a peer in the instance's groups is released)
@@ -135,6 +138,7 @@ def release_process_groups() -> None:
             setattr(parallel_state, name, None)
     if dist.is_initialized():
         dist.destroy_process_group()
+    group_connections.forget()
     gc.collect()
 
 

@@ -28,7 +28,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("reporting and the patch registry", ("events", "patches")),
     ("what the command line reads", ("batch_schedule", "fim", "tokenizer_files", "tokenizer")),
     ("the command line", ("arguments",)),
-    ("process groups", ("gpu_features", "parallel")),
+    ("process groups", ("gpu_features", "group_connections", "parallel")),
     ("checkpoints", ("checkpointing",)),
     ("the engine", ("model", "optimizer", "data", "moe_metrics", "train_log")),
     ("the failure modes", ("resilience",)),

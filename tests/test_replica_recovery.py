@@ -113,14 +113,15 @@ def test_a_rank_killed_inside_the_gradient_reduction_is_replaced_at_the_same_ite
 def test_a_stopped_rank_is_terminated_and_the_reserve_in_its_place_goes_on_at_the_same_iteration(
         uninterrupted, tmp_path):
     """Rank 1 hangs before iteration 7 and its process is then stopped with SIGSTOP. NVRx finds it at the
-    soft timeout and terminates it at the hard timeout (90 s). Rank 0 is blocked in the gradients'
-    reduction with it, which gloo cannot abort: its collective times out first (--distributed-timeout-minutes
-    1, below the hard timeout), so it survives with its state, and the reserve receives rank 1's from it."""
+    soft timeout and terminates it at the hard timeout. Rank 0 is blocked in the gradients' reduction with
+    it, which the abort at the soft timeout ends (on gloo by shutting down the groups' connections:
+    group_connections.py), so rank 0 keeps its state and its timestamps, and survives its own hard timeout;
+    the reserve receives rank 1's state from it. --distributed-timeout-minutes is left at 10: before that
+    abort, gloo's collective held rank 0 past its hard timeout and its state was lost with it."""
     losses, _ = uninterrupted
     save, log = tmp_path / "ckpt", tmp_path / "run.log"
     fault = ["--inject-fault", "hang", "--inject-fault-ranks", "1", "--inject-fault-iteration", "7",
-             "--recover-from-replicas", "--distributed-timeout-minutes", "1",
-             "--inprocess-soft-timeout", "15", "--inprocess-hard-timeout", "90"]
+             "--recover-from-replicas", "--inprocess-soft-timeout", "10", "--inprocess-hard-timeout", "20"]
     with reserves.running(save, log, 0, fault) as run:
         reserves.wait_for(run, log, "[resil] fault: injecting hang on rank 1 ")
         [setup] = [e for e in reserves.events(save) if e["event"] == "inprocess"]
@@ -129,7 +130,7 @@ def test_a_stopped_rank_is_terminated_and_the_reserve_in_its_place_goes_on_at_th
     out = log.read_text()
     assert code == 0, out[-6000:]
     restarts = [line for line in out.splitlines() if line.startswith("[resil] restart:")]
-    assert len(restarts) == 1 and "rank 1 made no progress for --inprocess-soft-timeout 15 s" in restarts[0]
+    assert len(restarts) == 1 and "rank 1 made no progress for --inprocess-soft-timeout 10 s" in restarts[0]
     lines = _recovery_lines(out)
     assert len(lines) == 2 and lines[1].startswith(
         "[resil] recovery: same-step recovery at iteration 6: rank 1 receives its state from rank 0 ("), lines

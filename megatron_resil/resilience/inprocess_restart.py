@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_resil import data, events, exit_codes, parallel
+from megatron_resil import data, events, exit_codes, group_connections, parallel
 from megatron_resil.rank_process import AGENT_STORE_ENV
 from megatron_resil.resilience import replica_recovery, restart_phases
 from megatron_resil.tokenizer import build_tokenizer
@@ -394,11 +394,13 @@ class Attempts:
 
 class ReleaseProcessGroups(inprocess.abort.Abort):
     """Runs in NVRx's monitor thread on every rank as soon as any rank has failed, to unblock the training
-    thread: NVRx's abort (NCCL communicators and TE buffers on GPU; on gloo it only unregisters the
-    groups), then every reference to them dropped, which is what closes gloo's connections."""
+    thread: the gloo groups' connections shut down (gloo has no abort of its own: group_connections.py),
+    NVRx's abort (NCCL communicators and TE buffers on GPU; on gloo it only unregisters the groups), then
+    every reference to the groups dropped."""
 
     def __call__(self, state: inprocess.FrozenState) -> inprocess.FrozenState:
         aborted_by.add(threading.current_thread())
+        group_connections.end()  # first: a collective blocked with a hung peer raises now
         if torch.cuda.is_available():
             inprocess.abort.AbortTransformerEngine()(state)
         inprocess.abort.AbortTorchDistributed()(state)

@@ -4,16 +4,19 @@ store namespace, as same-step recovery does.
 
     python -m megatron_resil.tools.abort_drill --backend gloo        # CPU (tests/test_abort_drill.py)
     python -m megatron_resil.tools.abort_drill --backend nccl        # two GPUs (the GPU check's step)
+    python -m megatron_resil.tools.abort_drill --peer stopped ...    # the peer hung, not dead, at the abort
 
 Two processes, ranks 0 and 1, each on its own device under NCCL. Both all-reduce once (checked). Rank 1 is
 then stopped with SIGSTOP, from outside, and rank 0 enters an all-reduce with it, which cannot complete.
 Once rank 0 is inside it, rank 1 is killed with SIGKILL (a lost rank) and rank 0's watcher thread runs
-`ReleaseProcessGroups`, the abort NVRx's monitor thread runs on every rank under --inprocess-restart:
-NVRx's AbortTorchDistributed (on NCCL, `abort()` of every communicator, which is what ends a kernel waiting
-for a dead peer), then every reference to the groups dropped (on gloo, what closes the connections). Rank
-0's collective must return or raise. A replacement rank 1 is started, both join a group on the next store
-namespace, and their all-reduce must give the right sum. On gloo the kill alone already ends the collective
-(the peer's socket closes); on NCCL nothing but the abort does, so the drill proves that path only there.
+`ReleaseProcessGroups`, the abort NVRx's monitor thread runs on every rank under --inprocess-restart: the
+gloo groups' connections shut down (group_connections.py), NVRx's AbortTorchDistributed (on NCCL, `abort()`
+of every communicator, which is what ends a kernel waiting for a dead peer), then every reference to the
+groups dropped. Rank 0's collective must return or raise. A replacement rank 1 is started, both join a
+group on the next store namespace, and their all-reduce must give the right sum. With `--peer killed` (the
+default) the kill alone already ends a gloo collective (the peer's socket closes); with `--peer stopped`
+rank 1 is still stopped at the abort, and killed only once rank 0 is out of its collective: on either
+backend nothing but the abort can end it then.
 
 Prints one JSON line; exit code 0 when every part held, 1 when one did not, 2 for bad arguments.
 """
@@ -43,8 +46,10 @@ def _form_group(store, namespace: str, backend: str, rank: int):
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if backend == "nccl":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, store=dist.PrefixStore(namespace, store), rank=rank, world_size=2,
-                             timeout=_STEP_TIMEOUT)
+    from megatron_resil import group_connections
+    with group_connections.tracking():  # as parallel.initialize does
+        dist.init_process_group(backend, store=dist.PrefixStore(namespace, store), rank=rank, world_size=2,
+                                timeout=_STEP_TIMEOUT)
     return device
 
 
@@ -87,6 +92,7 @@ def rank_main(backend: str, port: int, rank: int, namespace: str) -> int:
             report["hung_collective"] = "returned"
         except Exception as error:  # noqa: BLE001 - the expected way out on gloo
             report["hung_collective"] = f"raised {type(error).__name__}"
+        store.set("out", "1")
         report["seconds_after_abort"] = (round(time.monotonic() - aborted["at"], 3) if "at" in aborted
                                          else None)
         watcher.join(_STEP_TIMEOUT.total_seconds())
@@ -117,7 +123,7 @@ def _start_rank(backend: str, port: int, rank: int, namespace: str, log: Path) -
         os.close(out)
 
 
-def drill(backend: str, workdir: Path) -> dict:
+def drill(backend: str, workdir: Path, peer: str = "killed") -> dict:
     import torch.distributed as dist
     workdir.mkdir(parents=True, exist_ok=True)
     # Port 0, taken by the store itself: held by us from the start.
@@ -130,9 +136,14 @@ def drill(backend: str, workdir: Path) -> dict:
         os.kill(ranks[1].pid, signal.SIGSTOP)  # from now on rank 1 takes part in nothing
         store.set("go", "1")
         store.wait(["entered"])
-        os.kill(ranks[1].pid, signal.SIGKILL)  # the lost rank
-        ranks[1].wait()
+        if peer == "killed":
+            os.kill(ranks[1].pid, signal.SIGKILL)  # the lost rank
+            ranks[1].wait()
         store.set("abort", "1")
+        store.wait(["out"])  # rank 0 is out of its collective: with a stopped peer, the abort alone did it
+        if peer == "stopped":
+            os.kill(ranks[1].pid, signal.SIGKILL)  # what NVRx does to a hung rank at its hard timeout
+            ranks[1].wait()
         replacement = _start_rank(backend, store.port, 1, "attempt2", workdir / "replacement.log")
         store.wait(["attempt2/ready0", "attempt2/ready1"])
         survivor = json.loads(store.get("attempt2/ready0"))
@@ -149,7 +160,8 @@ def drill(backend: str, workdir: Path) -> dict:
                 proc.wait()
     held = (all(r["first_sum"] for r in first) and survivor.get("abort_error") is None
             and survivor["sum_after_reforming"] and replaced["first_sum"] and codes == [0, 0])
-    return {"backend": backend, "ok": bool(held), "hung_collective": survivor["hung_collective"],
+    return {"backend": backend, "peer": peer, "ok": bool(held),
+            "hung_collective": survivor["hung_collective"],
             "seconds_after_abort": survivor["seconds_after_abort"], "abort_error": survivor["abort_error"],
             "sum_after_reforming": survivor["sum_after_reforming"], "exit_codes": codes}
 
@@ -163,6 +175,9 @@ class _Parser(argparse.ArgumentParser):
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="abort_drill", description=__doc__.split("\n")[0])
     parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    parser.add_argument("--peer", choices=("killed", "stopped"), default="killed",
+                        help="rank 1 at the abort: killed (a lost rank; the default) or still stopped "
+                        "(a hung one)")
     parser.add_argument("--workdir", type=Path, help="where the ranks' logs go (default: a new temporary "
                         "directory)")
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
@@ -180,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     if opts.workdir is None:
         import tempfile
         opts.workdir = Path(tempfile.mkdtemp(prefix="abort_drill_"))
-    result = drill(opts.backend, opts.workdir)
+    result = drill(opts.backend, opts.workdir, opts.peer)
     print(json.dumps(result), flush=True)
     return 0 if result["ok"] else 1
 
