@@ -169,9 +169,12 @@ def _earlier_attempt_said_stop(args: argparse.Namespace) -> int | None:
     if found is None or found.get("exit_code") not in exit_codes.DO_NOT_RETRY:
         return None
     code = found["exit_code"]
+    # The first attempt's reason, not the line of the attempt before (which names it in turn): one
+    # attempt after another would nest them.
+    cause = found.get("cause") or found.get("message", "no message")
     events.decision("exit", f"an earlier attempt of this launcher run ended with exit code {code} "
-                    f"({found.get('message', 'no message')}); a restart cannot change that, so this one "
-                    f"stops before training; exiting with code {code}", exit_code=code)
+                    f"({cause}); a restart cannot change that, so this one stops before training; exiting "
+                    f"with code {code}", exit_code=code, cause=cause)
     return code
 
 

@@ -23,6 +23,15 @@ CI deselects it, see scripts/test.sh):
 Its launchers start with a standby (RESIL_STANDBY=1, docs/standby.md); CHAOS_STANDBY=0 runs every rank
 cold, CHAOS_STANDBY=torch with a standby that imports torch only, and CHAOS_CALC_FT=0 without learned
 hang-detection timeouts, for the comparisons in BENCHMARKS.md.
+
+The rank-faults variant (issue 37, item 6) hits the same 4 training ranks only where a lost rank costs no
+rollback: a kill -9 of a rank (twice), a SIGSTOP of a rank (found at --inprocess-soft-timeout, terminated at
+the hard timeout) and a node's ranks lost (two ranks killed together). It runs under the same launch
+script with in-process restart, warm reserves and --recover-from-replicas: each lost rank's place is taken
+by a reserve that receives its state from a live replica, at the interrupted iteration. Same checks, same
+goodput, against the same run (reserves included) without a fault:
+
+    CHAOS_SEED=13625391 bash scripts/test.sh -m chaos -s -k rank_faults
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import json
 import os
 import pickle
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -58,6 +68,21 @@ FT_ARGS = ("--ft-rank-section-timeouts setup:120,step:6,checkpointing:30 --ft-ra
            "--ft-workload-check-interval 0.5")
 
 
+# The rank-faults variant: a reserve for each rank its faults take (two kills, a stop, a node of two), so
+# that every fault is a same-step recovery; NVRx's detection intervals short (as in bench_warm_reserve.py's
+# --nvrx-intervals 0.1) and its timeouts short enough that a stopped rank costs seconds, long enough that no
+# healthy step or save on a loaded 2-core host reaches them.
+RANK_FAULTS = ["kill-rank", "kill-rank", "sigstop-rank", "node-lost"]
+RESERVES = 5
+INPROCESS = ["--inprocess-restart", "--inprocess-active-world-size", "4", "--inprocess-granularity", "rank",
+             "--recover-from-replicas", "--inprocess-soft-timeout", "3", "--inprocess-hard-timeout", "6",
+             "--inprocess-max-iterations", "8",
+             *[flag for name in ("monitor-thread-interval", "last-call-wait", "monitor-process-interval",
+                                 "progress-watchdog-interval") for flag in (f"--inprocess-{name}", "0.1")],
+             "--inprocess-heartbeat-interval", "1", "--inprocess-heartbeat-timeout", "30",
+             "--inprocess-barrier-timeout", "120", "--inprocess-completion-timeout", "120"]
+
+
 def _args(save: Path, nan: bool = True) -> list[str]:
     return [*launch.TINY_MODEL, *launch.TINY_TRAINING, "--log-interval", "5",
             "--train-iters", str(TRAIN_ITERS),
@@ -66,6 +91,22 @@ def _args(save: Path, nan: bool = True) -> list[str]:
             *(["--inject-fault", "nan-loss", "--inject-fault-iteration", "50", "--inject-fault-ranks", "1"]
               if nan else []),
             *LEARNED_TIMEOUTS]
+
+
+def _rank_faults_args(save: Path) -> list[str]:
+    # Every iteration logged (TINY_TRAINING's --log-interval 1): a logged loss is then one iteration's, and
+    # the run's are compared with the fault-free run's one by one.
+    return [*launch.TINY_MODEL, *launch.TINY_TRAINING,
+            "--train-iters", str(TRAIN_ITERS), "--save", str(save), "--load", str(save),
+            "--save-interval", "5", "--ckpt-keep-last", "3",
+            "--exit-signal-handler", *INPROCESS]
+
+
+def _start_rank_faults(save: Path, log: Path) -> subprocess.Popen:
+    env = {**launch.env(standby=False), "RESIL_PYTHON": sys.executable, "NPROC_PER_NODE": str(4 + RESERVES),
+           "MAX_RESTARTS": "8", "MAX_REQUEUES": "8"}
+    return subprocess.Popen(["bash", RUN_LOCAL, *_rank_faults_args(save)], env=env, cwd=launch.REPO,
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def _start(save: Path, log: Path, nan: bool = True) -> subprocess.Popen:
@@ -166,12 +207,27 @@ def _fill(disk: Path) -> None:
         os.close(fd)
 
 
+def _training_ranks(save: Path) -> list[int]:
+    """Under in-process restart: the processes of the 4 training ranks of the newest attempt, by rank (its
+    `inprocess` record at start-up, or its restart's), without the reserves; [] when none is on record or
+    one of them is gone."""
+    pids = None
+    for event in _events(save):
+        if event.get("pids") and (event["event"] == "inprocess" or event.get("kind") == "inprocess"):
+            pids = event["pids"]
+    live = set(_processes_of(save)["ranks"])
+    return pids if pids and all(pid in live for pid in pids) else []
+
+
 def _kill_a_rank(save: Path, rng: random.Random, sig=signal.SIGKILL) -> bool:
-    """Whether a rank's process was there to be signalled."""
-    ranks = _processes_of(save)["ranks"]
+    """Whether a rank's process was there to be signalled (a training rank's, where reserves wait)."""
+    ranks = _training_ranks(save) if _in_process else _processes_of(save)["ranks"]
     if ranks:
         os.kill(rng.choice(ranks), sig)
     return bool(ranks)
+
+
+_in_process = False  # the rank-faults variant: only its training ranks are targets
 
 
 def _inject(fault: str, proc, save: Path, disk: Path, marker: Path, rng: random.Random) -> str | None:
@@ -181,6 +237,14 @@ def _inject(fault: str, proc, save: Path, disk: Path, marker: Path, rng: random.
         return fault if _kill_a_rank(save, rng) else None
     elif fault == "sigstop-rank":
         return fault if _kill_a_rank(save, rng, signal.SIGSTOP) else None
+    elif fault == "node-lost":  # two ranks per simulated node: ranks 0-1 or 2-3, killed together
+        ranks = _training_ranks(save)
+        if not ranks:
+            return None
+        node = rng.randrange(2)
+        for pid in ranks[2 * node:2 * node + 2]:
+            os.kill(pid, signal.SIGKILL)
+        return f"{fault} (ranks {2 * node}-{2 * node + 1})"
     elif fault == "kill-launcher":
         launchers = _processes_of(save)["launcher"]
         for pid in launchers:
@@ -256,6 +320,59 @@ def _run_to_end(proc, save: Path, timeout: float) -> int:
                     os.kill(pid, signal.SIGKILL)
 
 
+def _check_the_end(save: Path) -> None:
+    """No process of the run is left, and every published checkpoint verifies."""
+    # A standby ends after its launcher, and the ranks forked from it with it: each is given a while to go.
+    ended, deadline = time.monotonic(), time.monotonic() + 30
+    while (left := _processes_of(save)) != {"ranks": [], "launcher": [], "standby": [], "other": []} and \
+            time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert left == {"ranks": [], "launcher": [], "standby": [], "other": []}, \
+        f"a process of the run survived: {left}"
+    print(f"every process of the run gone {time.monotonic() - ended:.1f} s after the job ended")
+    published = layout.published_iterations(str(save))
+    assert published and published[0] == TRAIN_ITERS, published
+    for iteration in published:  # what is published verifies; what was not is quarantined, named so
+        verified = subprocess.run([sys.executable, "-m", "megatron_resil.tools.ckpt", "verify", str(save),
+                                   "--iteration", str(iteration)], env=launch.env(),
+                                  capture_output=True, text=True, timeout=120)
+        assert verified.returncode == 0, verified.stdout + verified.stderr
+    quarantined = sorted(p.name for p in save.iterdir() if ".quarantined." in p.name)
+    print(f"quarantined: {quarantined}")
+
+
+def _goodput_split(save: Path) -> str:
+    """The goodput tool's split of the run's restarts."""
+    planner = subprocess.run([sys.executable, "-m", "megatron_resil.tools.goodput", str(save)],
+                             env=launch.env(), capture_output=True, text=True, timeout=120)
+    assert planner.returncode == 0, planner.stderr
+    return planner.stdout
+
+
+def _inject_until_done(faults: list[str], proc, save: Path, disk: Path, marker: Path, rng: random.Random,
+                       started: float, hit_at: list[float] | None = None) -> tuple[list[str], list[str]]:
+    """Each fault in turn, once the run has made progress since the last; one that hit nothing is tried
+    again after the next progress (three times at most). Returns (what hit, what hit nothing); `hit_at`
+    gets the wall-clock time of each hit."""
+    done, missed = [], []
+    _wait_for_progress(proc, save, 10, 0)
+    for fault in faults:
+        for _ in range(3):
+            at = _iteration(save)
+            if at >= TRAIN_ITERS - 40:
+                break
+            hit = _inject(fault, proc, save, disk, marker, rng)
+            if hit and hit_at is not None:
+                hit_at.append(time.time())
+            said = hit or f"{fault}: hit nothing"
+            print(f"  {time.monotonic() - started:6.1f} s, iteration {at}: {said}")
+            (done if hit else missed).append(hit or fault)
+            _wait_for_progress(proc, save, at + 10 if hit else at + 1, time.time())
+            if hit:
+                break
+    return done, missed
+
+
 def test_chaos_run_finishes_with_every_checkpoint_verifying_and_reports_goodput(save_disk, tmp_path):
     seed = int(os.environ.get("CHAOS_SEED", random.randrange(1 << 30)))
     rng = random.Random(seed)
@@ -277,21 +394,8 @@ def test_chaos_run_finishes_with_every_checkpoint_verifying_and_reports_goodput(
     save, log, marker = save_disk / "ckpt", tmp_path / "chaos.log", tmp_path / "PICKLE_RAN"
     started = time.monotonic()
     proc = _start(save, log)
-    done, missed = [], []
     try:
-        _wait_for_progress(proc, save, 10, 0)
-        for fault in faults:
-            for _ in range(3):  # a fault that hit nothing is tried again after the next progress
-                at = _iteration(save)
-                if at >= TRAIN_ITERS - 40:
-                    break
-                hit = _inject(fault, proc, save, save_disk, marker, rng)
-                said = hit or f"{fault}: hit nothing"
-                print(f"  {time.monotonic() - started:6.1f} s, iteration {at}: {said}")
-                (done if hit else missed).append(hit or fault)
-                _wait_for_progress(proc, save, at + 10 if hit else at + 1, time.time())
-                if hit:
-                    break
+        done, missed = _inject_until_done(faults, proc, save, save_disk, marker, rng, started)
         code = _run_to_end(proc, save, 900)
     finally:
         if proc.poll() is None:
@@ -303,32 +407,73 @@ def test_chaos_run_finishes_with_every_checkpoint_verifying_and_reports_goodput(
     assert "stop 0: training finished at iteration 400" in out
     assert not marker.exists(), "the planted pickle ran"
     assert _standbys_seen or os.environ.get("CHAOS_STANDBY") == "0", "no standby was seen"
-    # A standby ends after its launcher, and the ranks forked from it with it: each is given a while to go.
-    ended, deadline = time.monotonic(), time.monotonic() + 30
-    while (left := _processes_of(save)) != {"ranks": [], "launcher": [], "standby": [], "other": []} and \
-            time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert left == {"ranks": [], "launcher": [], "standby": [], "other": []}, \
-        f"a process of the run survived: {left}"
-    print(f"every process of the run gone {time.monotonic() - ended:.1f} s after the job ended")
-    published = layout.published_iterations(str(save))
-    assert published and published[0] == TRAIN_ITERS, published
-    for iteration in published:  # what is published verifies; what was not is quarantined, named so
-        verified = subprocess.run([sys.executable, "-m", "megatron_resil.tools.ckpt", "verify", str(save),
-                                   "--iteration", str(iteration)], env=launch.env(),
-                                  capture_output=True, text=True, timeout=120)
-        assert verified.returncode == 0, verified.stdout + verified.stderr
-    quarantined = sorted(p.name for p in save.iterdir() if ".quarantined." in p.name)
-    print(f"quarantined: {quarantined}")
-    planner = subprocess.run([sys.executable, "-m", "megatron_resil.tools.goodput", str(save)],
-                             env=launch.env(), capture_output=True, text=True, timeout=120)
-    assert planner.returncode == 0, planner.stderr
+    _check_the_end(save)
+    planner = _goodput_split(save)
     goodput = reference_secs[False] / chaos_secs
     print(f"chaos: {len(done)} faults that hit (and {len(missed)} that hit nothing: {missed}), "
           f"{chaos_secs:.0f} s against {reference_secs[False]:.0f} s without any fault: goodput "
           f"{goodput:.2f} "
           f"(useful iterations per second, against the fault-free run); against the run with the NaN alone "
           f"({reference_secs[True]:.0f} s), as before stop 42: {reference_secs[True] / chaos_secs:.2f}")
-    print(planner.stdout)
+    print(planner)
     restarts = [e for e in _events(save) if e["event"] == "start"]
     print(f"attempts (starts of the ranks): {len(restarts)}")
+
+
+def test_rank_faults_cost_no_rollback_and_the_run_finishes_exact(save_disk, tmp_path):
+    """The rank-faults variant: every fault is a same-step recovery (a reserve in each lost rank's place,
+    its state from a live replica), so no iteration is computed twice but the interrupted ones and no
+    checkpoint is read after start-up."""
+    global _in_process
+    seed = int(os.environ.get("CHAOS_SEED", random.randrange(1 << 30)))
+    rng = random.Random(seed)
+    faults = RANK_FAULTS[:]
+    rng.shuffle(faults)
+    print(f"\nchaos (rank faults) seed {seed}: {' '.join(faults)}")
+
+    reference_save, reference_log = save_disk / "reference", tmp_path / "reference.log"
+    started = time.monotonic()
+    assert _run_to_end(_start_rank_faults(reference_save, reference_log), reference_save, 600) == 0, \
+        reference_log.read_text()[-3000:]
+    reference_secs = time.monotonic() - started
+    reference_losses = launch.losses(reference_log.read_text())
+    subprocess.run(["rm", "-rf", str(reference_save)], check=True)
+
+    save, log = save_disk / "ckpt", tmp_path / "chaos.log"
+    started = time.monotonic()
+    proc = _start_rank_faults(save, log)
+    _in_process = True
+    try:
+        hit_at: list[float] = []
+        done, missed = _inject_until_done(faults, proc, save, save_disk, tmp_path / "unused", rng, started,
+                                          hit_at)
+        code = _run_to_end(proc, save, 900)
+    finally:
+        _in_process = False
+        if proc.poll() is None:
+            _run_to_end(proc, save, 0.1)
+    chaos_secs = time.monotonic() - started
+    out = log.read_text()
+    assert len(done) == len(RANK_FAULTS), f"only {done} hit before the end"
+    assert code == 0, out[-5000:]
+    _check_the_end(save)
+    recoveries = [line for line in out.splitlines() if line.startswith("[resil] recovery: same-step")]
+    print("\n".join(recoveries))
+    loads = [e for e in _events(save) if e["event"] == "loaded"]
+    # The losses of every iteration logged equal the fault-free run's, and no checkpoint was read: nothing
+    # was rolled back. An iteration may be missing from the log only where a fault interrupted it after
+    # its step and before its line (its loss's reduction needs every rank): training went on after it.
+    logged = launch.losses(out)
+    assert logged == {i: reference_losses[i] for i in logged}
+    kept = {int(n) for n in re.findall(r"same-step recovery at iteration (\d+):", out)}
+    assert set(reference_losses) - set(logged) <= kept, (sorted(set(reference_losses) - set(logged)), kept)
+    assert loads == [], loads
+    progress = [e["unix"] for e in _events(save) if e["event"] == "progress"]
+    to_next = [min(t for t in progress if t > at) - at for at in hit_at]
+    print("from each fault to the next logged iteration: " +
+          ", ".join(f"{fault} {secs:.2f} s" for fault, secs in zip(done, to_next, strict=True)))
+    goodput = reference_secs / chaos_secs
+    print(f"chaos (rank faults): {len(done)} faults that hit ({done}; {len(missed)} that hit nothing: "
+          f"{missed}), {chaos_secs:.0f} s against {reference_secs:.0f} s without any fault: goodput "
+          f"{goodput:.2f}; same-step recoveries: {len(recoveries) - 1}")
+    print(_goodput_split(save))

@@ -117,11 +117,14 @@ def test_a_stopped_rank_is_terminated_and_the_reserve_in_its_place_goes_on_at_th
     it, which the abort at the soft timeout ends (on gloo by shutting down the groups' connections:
     group_connections.py), so rank 0 keeps its state and its timestamps, and survives its own hard timeout;
     the reserve receives rank 1's state from it. --distributed-timeout-minutes is left at 10: before that
-    abort, gloo's collective held rank 0 past its hard timeout and its state was lost with it."""
+    abort, gloo's collective held rank 0 past its hard timeout and its state was lost with it. With
+    --exit-signal-handler, as users' scripts carry it, NVRx's SIGTERM to the hung rank is caught: that rank
+    must still end as a lost rank, not with an exit code that makes the launcher end the others."""
     losses, _ = uninterrupted
     save, log = tmp_path / "ckpt", tmp_path / "run.log"
     fault = ["--inject-fault", "hang", "--inject-fault-ranks", "1", "--inject-fault-iteration", "7",
-             "--recover-from-replicas", "--inprocess-soft-timeout", "10", "--inprocess-hard-timeout", "20"]
+             "--recover-from-replicas", "--inprocess-soft-timeout", "10", "--inprocess-hard-timeout", "20",
+             "--exit-signal-handler"]
     with reserves.running(save, log, 0, fault) as run:
         reserves.wait_for(run, log, "[resil] fault: injecting hang on rank 1 ")
         [setup] = [e for e in reserves.events(save) if e["event"] == "inprocess"]

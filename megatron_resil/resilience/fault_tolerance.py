@@ -33,14 +33,18 @@ _TIMEOUTS_KEY = "current_timeouts"  # RankMonitorClient.state_dict()'s one key
 # each costs an IPC round trip to the monitor.
 _HEARTBEAT_MIN_INTERVAL_SECS = 1.0
 _setup_said = False  # this process logged the monitoring decisions (once, whatever the attempts)
+_restart_said = False  # this process said which worker group restart it is in (once: its in-process
+# restarts run set-up again in the same process, of the same worker group)
 
 
 def report_restart() -> None:
     """After an in-job restart (ft_launcher or torchrun --max-restarts), say which one this is, so a
     restart loop is visible in the log and in events.jsonl (the run timeline reads `restart` events)."""
+    global _restart_said
     count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    if count <= 0:
+    if count <= 0 or _restart_said:
         return
+    _restart_said = True
     limit = os.environ.get("TORCHELASTIC_MAX_RESTARTS")
     bound = f"of at most {limit}" if limit else "(the launcher's maximum is unknown)"
     events.decision("restart", f"worker group restart {count} {bound} (the launcher restarted every rank "

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from megatron_resil import data, events, exit_codes, group_connections, parallel
 from megatron_resil.rank_process import AGENT_STORE_ENV
-from megatron_resil.resilience import replica_recovery, restart_phases
+from megatron_resil.resilience import replica_recovery, restart_phases, signal_handler
 from megatron_resil.tokenizer import build_tokenizer
 
 with warnings.catch_warnings():  # NVRx's pynvml deprecation warning is noise on every rank
@@ -356,6 +356,20 @@ class Attempts:
 
     def give_up(self, err: RestartAbort | RankDiscarded) -> int:
         """NVRx will not start another attempt: the bound is reached, or too few ranks are left."""
+        if isinstance(err, RankDiscarded) and (caught := signal_handler.caught()) is not None:
+            # NVRx terminates a rank that made no progress for --inprocess-hard-timeout (SIGCONT, SIGTERM,
+            # then SIGKILL after --inprocess-termination-grace-time), and one that catches SIGTERM
+            # (--exit-signal-handler) gets here, discarded, while the others go on with a reserve in its
+            # place. It must end as the signal would have ended it: ft_launcher ends every rank when one
+            # exits with a code, and leaves them to in-process restart when one is killed. (NVRx's records
+            # cannot tell this process from one discarded because too few are left: they are locked once
+            # the restart began.)
+            print(f"[resil] inprocess: process {os.getpid()} was discarded by NVRx after {caught.name} (NVRx "
+                  f"terminates a rank that made no progress for --inprocess-hard-timeout "
+                  f"{self.args.inprocess_hard_timeout:g} s); it ends of {caught.name}, as without "
+                  "--exit-signal-handler, so that the launcher leaves the other ranks to go on",
+                  file=sys.stderr, flush=True)
+            signal_handler.die_of(caught)
         events.configure(self.args.save)
         limit = self.args.inprocess_max_iterations
         # Too few processes is no fault of the state: the launcher may start every rank again.

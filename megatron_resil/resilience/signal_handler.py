@@ -228,6 +228,19 @@ class ExitSignalHandler:
 _installed: ExitSignalHandler | None = None
 
 
+def caught() -> signal.Signals | None:
+    """The exit signal this process caught (--exit-signal-handler), if it did."""
+    return _installed.signum if _installed is not None and _installed.received else None
+
+
+def die_of(signum: signal.Signals) -> None:
+    """End this process as `signum` would have without the handler (its default action)."""
+    signal.signal(signum, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
+    os.kill(os.getpid(), signum)
+    os._exit(128 + signum)  # a signal whose default is not to end the process
+
+
 def install_from_args(args) -> ExitSignalHandler | None:
     """--exit-signal-handler: install once per process (an in-process restart keeps the first)."""
     global _installed
