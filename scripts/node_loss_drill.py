@@ -172,7 +172,8 @@ class Drill:
         (address, launcher pid): on one address, a pid that wrapped around gave node 1 the group ranks 0-1,
         and the drill's hang, meant for node 1's ranks 2-3, struck node 0 (CI, stop 44). With
         --replacement-first the nodes start on 127.0.0.2 and .3 and the replacement comes on 127.0.0.1, so
-        it sorts first: it gets ranks 0-1, and node 0 ranks 2-3, whose directories are on the node lost."""
+        it sorts first when every launcher starts again (see run): it gets ranks 0-1, and node 0 ranks 2-3,
+        whose directories are on the node lost."""
         if self.replacement_first:
             return "127.0.0.1" if replacement else f"127.0.0.{node + 2}"
         return f"127.0.0.{node + 1}"
@@ -212,6 +213,18 @@ class Drill:
         # before anything reads it.
         self.lose_node(LOST_NODE)
         self.damage_replicas()
+        if self.replacement_first:
+            # NVRx 0.4.1's rendezvous keeps each node's rank of the round before when the node that
+            # completes the next round knew it: node 0 kept ranks 0-1 whenever its launcher joined after
+            # the replacement's (a race). The job starts again instead, as a requeue onto another set of
+            # nodes does: every launcher new, so the nodes are numbered by address, the replacement first.
+            _signal_tree(self.nodes[0].pid, signal.SIGKILL)
+            self.nodes[0].wait()
+            del self.nodes[LOST_NODE]  # gone: waiting below is for node 0 alone
+            self.note("node 0's launcher and ranks killed (SIGKILL; its local directory kept): the job "
+                      "starts again on node 0 and the replacement")
+            self.nodes[0] = self.start_node(0, "node0-restarted.log")
+            self.wait_for("node 0's rendezvous store", self.store_up)
         self.nodes[LOST_NODE] = self.start_node(LOST_NODE, f"node{LOST_NODE}-replacement.log",
                                                 replacement=True)
         codes = {}
@@ -373,9 +386,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the launchers' rendezvous heartbeat every S seconds, a node dropped after N "
                              "missed (default: %(default)s; NVRx's own: 5x3)")
     parser.add_argument("--replacement-first", action="store_true",
-                        help="the replacement node's address sorts before node 0's, so the ranks change "
-                             "nodes after the loss (node 0 runs ranks 2-3, the replacement 0-1): the local "
-                             "tier must follow them (docs/drills.md)")
+                        help="after the loss the job starts again on node 0 and a replacement whose "
+                             "address sorts first, so the ranks change nodes (node 0 runs ranks 2-3, the "
+                             "replacement 0-1): the local tier must follow them (docs/drills.md)")
     args = parser.parse_args(argv)
     interval, _, attempts = args.keep_alive.partition("x")
     if not (interval.isdigit() and attempts.isdigit() and int(interval) >= 1 and int(attempts) >= 1):

@@ -100,11 +100,14 @@ def test_a_replicas_intact_resume_from_the_surviving_node(tmp_path):
 
 
 def test_a_with_the_ranks_moved_to_other_nodes_the_local_tier_follows_them(tmp_path):
-    """Issue 37 item 7. The replacement node's address sorts first, so after the loss it runs ranks 0-1
-    and node 0 runs ranks 2-3. Node 0's disk holds the directories of ranks 0 and 1 (their shards and the
-    replicas of 2 and 3); the replacement's is empty. Ranks 2 and 3 read those directories left behind,
-    and ranks 0 and 1 receive their shards from them over the new groups: the local tier loads, not the
-    global one (which it did before: 'accepted persistent iteration 6', two iterations computed again)."""
+    """Issue 37 item 7. After the loss the job starts again (both launchers new, as a requeue onto another
+    set of nodes) and the replacement node's address sorts first, so it runs ranks 0-1 and node 0 runs
+    ranks 2-3. (With node 0's launcher kept, NVRx 0.4.1 let it keep ranks 0-1 whenever it completed the
+    rendezvous round, a race this test lost once.) Node 0's disk holds the directories of ranks 0 and 1
+    (their shards and the replicas of 2 and 3); the replacement's is empty. Ranks 2 and 3 read those
+    directories left behind, and ranks 0 and 1 receive their shards from them over the new groups: the
+    local tier loads, not the global one (which it did before: 'accepted persistent iteration 6', two
+    iterations computed again)."""
     log, work = _drill("a", tmp_path, "dp", "--replacement-first")
     assert "as rank 0 in a world of size 2" in (work / "node1-replacement.log").read_text()
     assert "shards fetched from replicas: rank 0 from rank 2, rank 1 from rank 3" in log, log[-6000:]
