@@ -438,3 +438,19 @@ def test_what_is_not_a_request():
         assert wire.invalid(deep, 0) == "a JSON list, not an object"
     request = json.dumps(_request())
     assert wire.decode(request.encode()) == json.loads(request)
+
+
+def test_two_messages_that_arrive_together_are_read_one_at_a_time():
+    """A worker that refuses its client sends {"refused": ...} and ends, and the standby then sends the
+    client that worker's end: both can be in the socket before the client reads. A read of more than one
+    message made the client's JSON parser fail on the second ("Extra data"), and the refusal's reason was
+    lost (CI, stop 46)."""
+    left, right = socket.socketpair()
+    with left, right:
+        wire.send(left, {"refused": "its RLIMIT_NOFILE 1024:1048576 cannot be given here"})
+        wire.send(left, {"exit": 0})
+        assert wire.receive(right) == {"refused": "its RLIMIT_NOFILE 1024:1048576 cannot be given here"}
+        assert wire.receive(right) == {"exit": 0}
+        left.close()
+        with pytest.raises(ValueError, match="the connection closed"):
+            wire.receive(right)

@@ -48,14 +48,21 @@ def send(sock: socket.socket, message: dict, fds: list[int] | None = None) -> No
 
 
 def receive(sock: socket.socket) -> object:
-    """One message, read until it is whole (a blocking socket, with its timeout for each read)."""
-    data = b""
-    while len(data) < HEADER.size or len(data) < HEADER.size + _size(data):
-        chunk = sock.recv(1 << 16)
+    """One message, read until it is whole and no further (a blocking socket, with its timeout for each
+    read): the next message may already be on its way (a worker's refusal, then the standby's word of that
+    worker's end), and stays in the socket for the next call."""
+    header = _read_exactly(sock, HEADER.size)
+    return decode(_read_exactly(sock, _size(header)))
+
+
+def _read_exactly(sock: socket.socket, count: int) -> bytes:
+    data = bytearray()
+    while len(data) < count:
+        chunk = sock.recv(min(count - len(data), 1 << 16))
         if not chunk:
             raise ValueError("the connection closed")
         data += chunk
-    return decode(data[HEADER.size:])
+    return bytes(data)
 
 
 def _size(data: bytes | bytearray) -> int:
