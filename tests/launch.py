@@ -170,6 +170,15 @@ def start_ft(args: list[str], log_path: Path, nproc: int = 2, max_restarts: int 
                             stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def failure_codes(output: str) -> tuple[int | None, set[int]]:
+    """torchrun's report of a failed run: (the root cause's exit code, the codes of every rank it names).
+    Once one rank has exited, torchrun ends the others with SIGTERM: a rank that had not exited yet by
+    then, though about to exit with the same code, is reported as -15."""
+    root = re.search(r"Root Cause \(first observed failure\):.*?exitcode\s*:\s*(-?\d+)", output, re.DOTALL)
+    return (int(root.group(1)) if root else None,
+            {int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", output)})
+
+
 def losses(output: str) -> dict[int, tuple[str, str]]:
     """iteration -> (lm loss, grad norm) as printed, so comparisons are exact to the printed digits."""
     return {int(m.group(1)): (m.group(2), m.group(3)) for m in _LOSS_LINE.finditer(output)}
