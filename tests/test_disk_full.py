@@ -68,8 +68,8 @@ def test_a_full_disk_during_a_save_exits_4_everywhere_and_keeps_the_previous_che
     result = launch.run(_args(save, 6))
     out = result.stdout
     assert result.returncode != 0
-    codes = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", out)]
-    assert codes and set(codes) == {4}, out[-3000:]  # every failed rank the launcher reports: 4
+    root, codes = launch.failure_codes(out)  # 4; a rank torchrun ended once another had failed: -15
+    assert root == 4 and codes <= {4, -15}, out[-3000:]
     exits = [line for line in out.splitlines() if line.startswith("[resil] exit:")]
     assert len(exits) == 1 and "No space left on device" in exits[0] and "exiting with code 4" in exits[0], \
         out[-3000:]
