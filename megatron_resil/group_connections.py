@@ -21,6 +21,8 @@ import os
 import socket
 from collections.abc import Iterator
 
+from megatron_resil.rank_process import AGENT_STORE_ENV
+
 _ESTABLISHED = "01"  # the `st` column of /proc/net/tcp (include/net/tcp_states.h: TCP_ESTABLISHED)
 
 _noted: set[int] = set()  # socket inodes of the groups' connections
@@ -32,7 +34,8 @@ def _established(excluding_ports: frozenset[int]) -> set[int]:
     found = set()
     for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
         try:
-            lines = open(table).read().splitlines()[1:]
+            with open(table) as rows:
+                lines = rows.read().splitlines()[1:]
         except OSError:
             continue
         for line in lines:
@@ -60,7 +63,6 @@ def _sockets() -> dict[int, int]:
 
 def _store_ports() -> frozenset[int]:
     """The ports of the launcher's stores: MASTER_PORT, and our ft_launcher's agent store."""
-    from megatron_resil.rank_process import AGENT_STORE_ENV
     ports = set()
     for value in (os.environ.get("MASTER_PORT", ""), os.environ.get(AGENT_STORE_ENV, "").rpartition(":")[2]):
         if value.isdigit():
