@@ -13,12 +13,15 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 from pathlib import Path
 
 import pytest
 
 from megatron_resil import exit_codes
 from megatron_resil.arguments import parse_args
+from megatron_resil.checkpointing import layout
+from megatron_resil.rank_process import children_of
 
 try:
     from tests import launch, reserves  # tests/ is a package
@@ -133,6 +136,82 @@ def test_with_more_ranks_lost_than_reserves_in_process_restarts_end_and_the_laun
     assert exits == [exit_codes.RESERVES_USED_UP], exits  # then the restarted ranks finished
     assert [e["iteration"] for e in reserves.events(save) if e["event"] == "finished"] == [10]
     assert launch.losses(out.split(restarts[-1], 1)[1]) == {i: uninterrupted[i] for i in range(5, 11)}
+
+
+def _processes_of_run(save: Path) -> set[int]:
+    """Every live process whose command line names the run's save directory: its ranks, reserves
+    included (the launcher's names it too, as pretrain.py's argument)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                command = (entry / "cmdline").read_bytes()
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if str(save).encode() in command and state not in ("Z", "X"):
+                found.add(int(entry.name))
+    return found
+
+
+# From iteration 6 on, each iteration takes 2 s more: the run is still training when the fault comes.
+_SLOW = ["--train-iters", "30", "--inject-fault", "slow", "--inject-fault-iteration", "6",
+         "--inject-fault-slow-secs", "2", "--exit-signal-handler"]
+
+
+@pytest.mark.slow
+def test_a_preemption_saves_at_once_and_the_reserve_waits_for_the_save(tmp_path):
+    """SIGTERM to the job (Slurm's warning signal, forwarded to every process, the reserve's included):
+    the training ranks save and exit 5, as without reserves. The reserve catches it too and waits: dying
+    of it, it made NVRx restart the training ranks in the middle of their save, which was lost."""
+    save, log = tmp_path / "ckpt", tmp_path / "run.log"
+    with reserves.running(save, log, 0, _SLOW) as run:
+        reserves.wait_for(run, log, "[resil] fault: injecting slow")
+        os.kill(run.pid, signal.SIGTERM)
+        run.wait(timeout=300)
+    out = log.read_text()
+    said = re.findall(r"\[resil\] exit: SIGTERM received \(on at least one rank\) by iteration (\d+); "
+                      r"saving and exiting with code 5", out)
+    assert len(said) == 1, out[-6000:]
+    assert not [line for line in out.splitlines() if line.startswith("[resil] restart:")], out[-6000:]
+    assert layout.published_iterations(str(save))[0] == int(said[0]), out[-6000:]
+    exits = [e["exit_code"] for e in reserves.events(save) if e["event"] == "exit"]
+    assert exits == [exit_codes.SIGNAL_SAVED], exits
+    assert not _left_of_run(save)
+
+
+@pytest.mark.slow
+def test_a_launcher_killed_takes_the_reserves_with_the_ranks(tmp_path):
+    """kill -9 of ft_launcher: every rank, the reserve included, notices and ends (exit code 9), and
+    nothing of the run is left. The reserve, outside the training loop, used to outlive it."""
+    save, log = tmp_path / "ckpt", tmp_path / "run.log"
+    with reserves.running(save, log, 0, _SLOW) as run:
+        reserves.wait_for(run, log, "[resil] fault: injecting slow")
+        [setup] = [e for e in reserves.events(save) if e["event"] == "inprocess"]
+        [launcher] = [pid for pid in children_of(run.pid) if b"ft_launcher" in _command(pid)]
+        workers = {pid for pid in children_of(launcher) if b"ft_launcher" not in _command(pid)}
+        [reserve] = workers - set(setup["pids"])
+        os.kill(launcher, signal.SIGKILL)
+        run.wait(timeout=300)
+        left = _left_of_run(save)  # each process watches its launcher every 0.5 s
+    assert not left, (left, reserve, log.read_text()[-6000:])
+    assert "exiting with code 9" in log.read_text(), log.read_text()[-6000:]
+
+
+def _left_of_run(save: Path) -> set[int]:
+    """The run's processes still alive once they have had a while to end (the bound is only there for a
+    failure to show)."""
+    deadline = time.monotonic() + 120
+    while (left := _processes_of_run(save)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def _command(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def _parse(*extra: str, world_size: int):

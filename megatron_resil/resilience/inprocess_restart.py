@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from megatron_resil import data, events, exit_codes, group_connections, parallel
 from megatron_resil.rank_process import AGENT_STORE_ENV
-from megatron_resil.resilience import replica_recovery, restart_phases, signal_handler
+from megatron_resil.resilience import launcher_watch, replica_recovery, restart_phases, signal_handler
 from megatron_resil.tokenizer import build_tokenizer
 
 with warnings.catch_warnings():  # NVRx's pynvml deprecation warning is noise on every rank
@@ -171,8 +171,10 @@ def _wrapper(args: argparse.Namespace, stores: Stores, attempts: "Attempts") -> 
 
     return inprocess.Wrapper(
         store_factory=stores.wrapper_factory, store_kwargs=stores.wrapper_kwargs,
-        initialize=inprocess.initialize.RetryController(max_iterations=args.inprocess_max_iterations,
-                                                        min_world_size=args.inprocess_active_world_size),
+        initialize=inprocess.Compose(
+            inprocess.initialize.RetryController(max_iterations=args.inprocess_max_iterations,
+                                                 min_world_size=args.inprocess_active_world_size),
+            ReservesToo(args)),
         abort=ReleaseProcessGroups(),
         finalize=BetweenAttempts(args.inprocess_empty_cuda_cache),
         health_check=(inprocess.health_check.CudaHealthCheck(timeout=_CUDA_STEP_TIMEOUT)
@@ -404,6 +406,25 @@ class Attempts:
             with contextlib.suppress(Exception):
                 self.store.wait([_EXIT_RECORDED], _EXIT_RECORD_TIMEOUT)
         return code
+
+
+class ReservesToo(inprocess.initialize.Initialize):
+    """At the start of every attempt, in every process, what pretrain() sets up for a training rank: the
+    launcher watch and the exit signal handler (each installed once per process). A warm reserve waits in
+    NVRx's Wrapper and never enters pretrain(). Without them a reserve outlived a launcher killed with
+    SIGKILL, and died of the SIGTERM a preemption sends every rank: NVRx took that for a lost process and
+    restarted the training ranks in the middle of the save the signal asked of them (the mixed chaos run
+    under same-step recovery). With the handler a reserve notes the signal and waits on, and ends with the
+    training ranks once they have saved. Not before the Wrapper: its monitor process, a fork, would share
+    the handler's wakeup pipe."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+
+    def __call__(self, state: inprocess.FrozenState) -> inprocess.FrozenState:
+        launcher_watch.watch()
+        signal_handler.install_from_args(self.args)
+        return state
 
 
 class ReleaseProcessGroups(inprocess.abort.Abort):
