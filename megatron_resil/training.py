@@ -216,7 +216,7 @@ def train(args, model, optimizer, scheduler, checkpoints, progress: TrainProgres
             report, stop = train_step(args, model, optimizer, scheduler, train_ds, progress, faults,
                                       nan_checks=not checkpoints.canary_watching,
                                       before_optimizer_step=checkpoints.before_state_changes,
-                                      after_optimizer_step=keeper.step_hook)
+                                      after_optimizer_step=keeper.step_hook, on_raised=keeper.suspect)
         if stop is not None:  # the rerun state machine would end the job; this step was not taken
             progress, stop = stops.rejected_step(stop, progress, checkpoints)
             continue
@@ -455,14 +455,15 @@ def _run_schedule(args, model, dataset, consumed: int, on_loss, forward_only: bo
 def train_step(args, model, optimizer, scheduler, dataset, progress: TrainProgress,
                faults: FaultInjector | None = None, nan_checks: bool = True,
                before_optimizer_step=None,
-               after_optimizer_step=None) -> tuple[StepReport | None, rerun.RerunStop | None]:
+               after_optimizer_step=None, on_raised=None) -> tuple[StepReport | None, rerun.RerunStop | None]:
     """(report, None), or (None, stop) when the rerun state machine ends the job before the optimizer step.
     `before_optimizer_step`: called just before the parameters change (a pending async save's copy of them
     is completed there, CheckpointManager.before_state_changes); `after_optimizer_step`: with the progress
     as it stands once this step counts, right after the update (replica_recovery's commit: any collective
-    after it that fails finds the step taken)."""
+    after it that fails finds the step taken); `on_raised`: told why when a check raises (--rerun-mode
+    disabled), before the exception goes on (replica_recovery's `suspect`)."""
     iteration = progress.iteration + 1
-    step = rerun.StepValidation(iteration, nan_checks=nan_checks)
+    step = rerun.StepValidation(iteration, nan_checks=nan_checks, on_raised=on_raised)
 
     def on_loss(loss: torch.Tensor) -> torch.Tensor:
         if faults is not None:

@@ -160,6 +160,24 @@ def test_a_rank_that_raised_keeps_its_state_and_nothing_is_sent(uninterrupted, t
 
 
 @pytest.mark.slow
+@pytest.mark.compat
+def test_a_nan_that_raises_makes_the_state_suspect_and_every_rank_reloads(uninterrupted, tmp_path):
+    """--rerun-mode disabled: megatron-core raises on rank 1's NaN loss in iteration 7. Nothing was lost,
+    but the state that produced the NaN is suspect, so no replica hands it on: every rank loads the
+    checkpoint of 4, with the reason, and the run ends as if uninterrupted (the NaN is injected once)."""
+    losses, _ = uninterrupted
+    save = tmp_path / "ckpt"
+    out = _run(save, tmp_path / "run.log", ["--inject-fault", "nan-loss", "--inject-fault-ranks", "1",
+                                            "--rerun-mode", "disabled"])
+    lines = _recovery_lines(out)
+    assert len(lines) == 2 and lines[1].startswith(
+        "[resil] recovery: same-step recovery not possible: the state of rank 1 is suspect"), lines
+    assert "every rank loads the newest checkpoint instead" in lines[1], lines
+    assert [e["iteration"] for e in reserves.events(save) if e["event"] == "loaded"] == [4]
+    assert launch.losses(out.split(lines[1], 1)[1]) == {i: losses[i] for i in range(5, 11)}
+
+
+@pytest.mark.slow
 def test_a_transfer_that_fails_its_check_falls_back_to_the_newest_checkpoint_with_the_reason(uninterrupted,
                                                                                             tmp_path):
     """The sender flips a byte of the first tensor it sends (a test hook): the receiver's checksum finds it,

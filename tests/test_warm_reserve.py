@@ -160,6 +160,7 @@ _SLOW = ["--train-iters", "30", "--inject-fault", "slow", "--inject-fault-iterat
 
 
 @pytest.mark.slow
+@pytest.mark.compat
 def test_a_preemption_saves_at_once_and_the_reserve_waits_for_the_save(tmp_path):
     """SIGTERM to the job (Slurm's warning signal, forwarded to every process, the reserve's included):
     the training ranks save and exit 5, as without reserves. The reserve catches it too and waits: dying

@@ -188,8 +188,10 @@ class StepValidation:
         stop = step.verdict()      # None: take the step (optimizer); else do not, and end the job
     """
 
-    def __init__(self, iteration: int, nan_checks: bool = True) -> None:
+    def __init__(self, iteration: int, nan_checks: bool = True,
+                 on_raised: Callable[[str], None] | None = None) -> None:
         self.iteration = iteration
+        self.on_raised = on_raised  # told why, when a check raises (--rerun-mode disabled)
         # Off while the post-load canary watches a non-persistent checkpoint: a NaN there condemns the
         # checkpoint (see checkpointing/canary.py) instead of starting a rerun that would save it again.
         self.nan_checks = nan_checks and _config.check_nan
@@ -245,8 +247,16 @@ class StepValidation:
         self._calls[message] += 1
         call = (message, self._calls[message])
         already_rejected = machine.rerun_requested
-        validate(result, rejection_func, message, comparison_func=comparison_func, tolerance=tolerance,
-                 fatal=fatal)
+        try:
+            validate(result, rejection_func, message, comparison_func=comparison_func, tolerance=tolerance,
+                     fatal=fatal)
+        except RuntimeError:
+            # --rerun-mode disabled: megatron-core raises on a rejected result (a NaN, an Inf). The state
+            # that produced it is suspect: same-step recovery must not hand it on (replica_recovery.py).
+            if self.on_raised is not None and machine.mode == RerunMode.DISABLED:
+                self.on_raised(f"iteration {self.iteration} raised on a rejected result ({message}, "
+                               "--rerun-mode disabled)")
+            raise
         if machine.mode != RerunMode.VALIDATE_RESULTS:
             return
         if machine.state == RerunState.INITIAL_RUN and machine.rerun_requested and not already_rejected:
