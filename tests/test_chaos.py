@@ -22,7 +22,11 @@ CI deselects it, see scripts/test.sh):
 
 Its launchers start with a standby (RESIL_STANDBY=1, docs/standby.md); CHAOS_STANDBY=0 runs every rank
 cold, CHAOS_STANDBY=torch with a standby that imports torch only, and CHAOS_CALC_FT=0 without learned
-hang-detection timeouts, for the comparisons in BENCHMARKS.md.
+hang-detection timeouts, for the comparisons in BENCHMARKS.md. CHAOS_SAME_STEP=1 runs the same faults with the
+rank-faults variant's in-process restart, 5 warm reserves and --recover-from-replicas (the standby is not
+used under --inprocess-restart: give CHAOS_STANDBY=0 with it), its references too; a rank fault then costs
+no rollback, and the faults that need one (the launcher's kill, the preemptions, the corruption) still take
+a new job step.
 
 The rank-faults variant (issue 37, item 6) hits the same 4 training ranks only where a lost rank costs no
 rollback: a kill -9 of a rank (twice), a SIGSTOP of a rank (found at --inprocess-soft-timeout, terminated at
@@ -115,10 +119,13 @@ def _start(save: Path, log: Path, nan: bool = True) -> subprocess.Popen:
     # docs/standby.md); CHAOS_STANDBY=0: every rank imports for itself, as before issue 26's standby;
     # CHAOS_STANDBY=torch: a standby with torch only, as at stop 32 (no megatron-core imported ahead).
     standby = {"0": "0", "torch": "torch"}.get(os.environ.get("CHAOS_STANDBY", "1"), "1")
-    env = {**launch.env(standby=False), "RESIL_PYTHON": sys.executable, "NPROC_PER_NODE": "4",
+    same_step = os.environ.get("CHAOS_SAME_STEP") == "1"
+    env = {**launch.env(standby=False), "RESIL_PYTHON": sys.executable,
+           "NPROC_PER_NODE": str(4 + RESERVES) if same_step else "4",
            "MAX_RESTARTS": "8", "MAX_REQUEUES": "8", "FT_LAUNCHER_ARGS": FT_ARGS,
            "RESIL_STANDBY": standby}
-    return subprocess.Popen(["bash", RUN_LOCAL, *_args(save, nan)], env=env, cwd=launch.REPO,
+    extra = ["--log-interval", "1", *INPROCESS] if same_step else []
+    return subprocess.Popen(["bash", RUN_LOCAL, *_args(save, nan), *extra], env=env, cwd=launch.REPO,
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -395,10 +402,13 @@ def test_chaos_run_finishes_with_every_checkpoint_verifying_and_reports_goodput(
     save, log, marker = save_disk / "ckpt", tmp_path / "chaos.log", tmp_path / "PICKLE_RAN"
     started = time.monotonic()
     proc = _start(save, log)
+    global _in_process
+    _in_process = os.environ.get("CHAOS_SAME_STEP") == "1"  # kill only training ranks, not the reserves
     try:
         done, missed = _inject_until_done(faults, proc, save, save_disk, marker, rng, started)
         code = _run_to_end(proc, save, 900)
     finally:
+        _in_process = False
         if proc.poll() is None:
             _run_to_end(proc, save, 0.1)
     chaos_secs = time.monotonic() - started
