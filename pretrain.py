@@ -10,14 +10,9 @@ from megatron_resil import phase_marks
 from megatron_resil.launch import standby
 
 phase_marks.interpreter_started()  # first: when the interpreter reached our code
+standby.set_import_time_defaults(sys.argv[1:], os.environ)  # before torch: its C++ log level, for one
 if __name__ == "__main__":  # not in a spawned helper that imports this module
     standby.hand_over()  # with MEGATRON_RESIL_STANDBY: this process only mirrors a worker forked from it
-
-if "--inprocess-restart" in sys.argv[1:]:
-    # NVRx polls its store once a second, and each poll that times out makes torch print two C++
-    # warnings per rank. torch reads this level once, at import (parse_args imports it); Megatron only
-    # advises setting it. A level the user set is kept.
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "error")
 
 from megatron_resil.arguments import parse_args  # noqa: E402 - after the log level above
 from megatron_resil.checkpointing import take_from_checkpoint  # noqa: E402

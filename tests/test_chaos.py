@@ -23,10 +23,10 @@ CI deselects it, see scripts/test.sh):
 Its launchers start with a standby (RESIL_STANDBY=1, docs/standby.md); CHAOS_STANDBY=0 runs every rank
 cold, CHAOS_STANDBY=torch with a standby that imports torch only, and CHAOS_CALC_FT=0 without learned
 hang-detection timeouts, for the comparisons in BENCHMARKS.md. CHAOS_SAME_STEP=1 runs the same faults with the
-rank-faults variant's in-process restart, 5 warm reserves and --recover-from-replicas (the standby is not
-used under --inprocess-restart: give CHAOS_STANDBY=0 with it), its references too; a rank fault then costs
-no rollback, and the faults that need one (the launcher's kill, the preemptions, the corruption) still take
-a new job step.
+rank-faults variant's in-process restart, 5 warm reserves and --recover-from-replicas, its references too
+(every process, reserves included, forked from the launcher's standby); a rank fault then costs no
+rollback, and the faults that need one (the launcher's kill, the preemptions, the full disk) still take a
+new job step.
 
 The rank-faults variant (issue 37, item 6) hits the same 4 training ranks only where a lost rank costs no
 rollback: a kill -9 of a rank (twice), a SIGSTOP of a rank (found at --inprocess-soft-timeout, terminated at

@@ -88,6 +88,28 @@ def test_a_reserve_in_killed_rank_0s_place_receives_its_state_and_training_goes_
 
 
 @pytest.mark.slow
+def test_with_resil_standby_every_process_reserves_included_is_forked_and_the_kill_costs_no_rollback(
+        uninterrupted, tmp_path):
+    """RESIL_STANDBY=1 with --inprocess-restart: the launcher's standby forks all three processes (the
+    reserve too), so a job step's start pays the imports once; rank 0 is killed at iteration 7, and the
+    reserve, itself a fork, takes its place at the same iteration."""
+    losses, _ = uninterrupted
+    save = tmp_path / "ckpt"
+    out = _run(save, tmp_path / "run.log", ["--inject-fault", "kill", "--inject-fault-ranks", "0"],
+               env={"RESIL_STANDBY": "1"})
+    assert [line for line in out.splitlines() if line.startswith("[resil] standby 'launcher-")], out[-6000:]
+    assert "not used" not in out, out[-6000:]
+    lines = _recovery_lines(out)
+    assert len(lines) == 2 and lines[1].startswith(
+        "[resil] recovery: same-step recovery at iteration 6: rank 0 receives its state from rank 1 ("), lines
+    events = reserves.events(save)
+    phases = [e for e in events if e["event"] == "restart_phases"]
+    assert phases[0]["kind"] == "start-up" and phases[0]["details"]["standby"] is True, phases[0]
+    assert [e for e in events if e["event"] == "loaded"] == []
+    assert launch.losses(out) == losses
+
+
+@pytest.mark.slow
 def test_a_rank_killed_inside_the_gradient_reduction_is_replaced_at_the_same_iteration(
         uninterrupted, tmp_path):
     """Rank 1 is killed in iteration 7 as its gradients' reduction begins, rank 0 being inside the

@@ -213,8 +213,21 @@ def test_a_standby_that_dies_ends_its_ranks_with_one_line(tmp_path):
             _kill_tree(proc)
 
 
-def test_inprocess_restart_keeps_its_processes_and_says_so(session_standby):
+def test_an_inprocess_rank_needs_a_standby_that_imported_torch_with_its_log_level(session_standby):
+    """--inprocess-restart sets torch's C++ log level before torch is imported (NVRx's store polls); the
+    tests' standby imported torch without it, so it cannot serve the rank, and says why. A launcher's
+    standby (RESIL_STANDBY=1) sets it as pretrain.py would (test_replica_recovery)."""
     out = launch.run_single(["--inprocess-restart", "--check-args-only", *launch.TINY_MODEL,
                              *launch.TINY_TRAINING, "--train-iters", "4"])
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "not used: --inprocess-restart restarts within its processes" in out.stderr
+    why = "not used: it was started with another import-time environment (TORCH_CPP_LOG_LEVEL"
+    assert why in out.stderr, out.stderr[-2000:]
+
+
+def test_a_launchers_standby_imports_torch_with_the_log_level_its_inprocess_ranks_set():
+    assert standby.ranks_environment(["ft_launcher", "pretrain.py", "--inprocess-restart"],
+                                     {})["TORCH_CPP_LOG_LEVEL"] == "error"
+    assert "TORCH_CPP_LOG_LEVEL" not in standby.ranks_environment(["ft_launcher", "pretrain.py"], {})
+    kept = standby.ranks_environment(["ft_launcher", "pretrain.py", "--inprocess-restart"],
+                                     {"TORCH_CPP_LOG_LEVEL": "info"})
+    assert kept["TORCH_CPP_LOG_LEVEL"] == "info"  # a level the user set is kept

@@ -24,7 +24,8 @@ phases and the time budget ask about the process the launcher started, not the f
 What was imported must be what the rank would have imported: the standby serves only a client with the
 same interpreter, the same megatron_resil, the same module search path and the same import-time
 environment (PYTHON*, TORCH*, OMP_*, ... below); otherwise, or with no standby answering, the rank says so
-in one line and imports for itself. --inprocess-restart keeps its processes and does not use a standby.
+in one line and imports for itself. Under --inprocess-restart a rank's process lives through its restarts,
+but its first start (and a new job step's, warm reserves included) is forked like any other.
 
 Trust, each way (docs/standby.md, "Who may connect"). The socket is in Linux's abstract namespace: nothing
 is written on disk, and any local user may bind a name first. So the client sends nothing until the peer
@@ -85,8 +86,6 @@ def hand_over() -> None:
     value = os.environ.get(ENV)
     if not value or rank_process.in_standby_worker():
         return
-    if "--inprocess-restart" in sys.argv[1:]:
-        return _not_used(value, "--inprocess-restart restarts within its processes")
     try:
         sock, standby = _connect(value)
     except _NotUsed as why:
@@ -628,10 +627,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def set_import_time_defaults(argv: list[str], env) -> None:
+    """What pretrain.py (with arguments `argv`) sets in `env` before torch is imported, here so that a
+    launcher's standby imports torch as its ranks would. --inprocess-restart: NVRx polls its store once a
+    second, and each poll that times out makes torch print two C++ warnings per rank; torch reads this
+    level once, at import, and Megatron only advises setting it. A level the user set is kept."""
+    if "--inprocess-restart" in argv:
+        env.setdefault("TORCH_CPP_LOG_LEVEL", "error")
+
+
 def ranks_environment(command: list[str], env: dict[str, str] | None = None) -> dict[str, str]:
     """The import-time environment the launcher `command` gives its ranks, for its standby: torchrun and
-    ft_launcher set OMP_NUM_THREADS=1 for more than one rank per node when it is not set."""
+    ft_launcher set OMP_NUM_THREADS=1 for more than one rank per node when it is not set, and pretrain.py
+    its own defaults (`set_import_time_defaults`)."""
     env = dict(os.environ if env is None else env)
+    set_import_time_defaults(command, env)
     nproc = None
     for i, arg in enumerate(command):
         for flag in ("--nproc-per-node", "--nproc_per_node"):

@@ -128,7 +128,7 @@ def measure() -> dict:
     launcher = rank_process.launcher_pid() if under_launcher else None
     launcher_started = rank_process.started_unix(launcher) if launcher else None
     details["launcher_started"] = launcher_started
-    previous = previous_attempt(events.log_path())
+    previous = previous_attempt(events.log_path(), born=marks["spawned"] if first_in_process else None)
     if previous is None:
         kind = "start-up"
         source = "the launcher's creation" if launcher_started else "this process's creation"
@@ -200,10 +200,11 @@ def _tail_lines(path: str) -> list[str]:
     return lines[1:] if size > _TAIL_BYTES else lines  # the first may be cut
 
 
-def previous_attempt(log_path: str) -> dict | None:
+def previous_attempt(log_path: str, born: float | None = None) -> dict | None:
     """{since, end, events} of the attempt before the current one (whose `start` is the log's last), or
     None if the current one is the log's first: its first and last record's times, and its records
-    (those in the tail read, for a long one)."""
+    (those in the tail read, for a long one). `born`: when this process was created; the records after it
+    are this attempt's own, though before its `start` (under in-process restart, the set-up lines)."""
     records = []
     for line in _tail_lines(log_path):
         try:
@@ -216,6 +217,10 @@ def previous_attempt(log_path: str) -> dict | None:
     if not starts or starts[-1] == 0:
         return None
     before = records[starts[-2] if len(starts) > 1 else 0:starts[-1]]
+    if born is not None:
+        before = [r for r in before if r["unix"] < born]
+    if not before:
+        return None
     return {"since": before[0]["unix"], "end": before[-1]["unix"], "events": before}
 
 
