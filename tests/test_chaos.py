@@ -223,7 +223,8 @@ def _training_ranks(save: Path) -> list[int]:
     for event in _events(save):
         if event.get("pids") and (event["event"] == "inprocess" or event.get("kind") == "inprocess"):
             pids = event["pids"]
-    live = set(_processes_of(save)["ranks"])
+    found = _processes_of(save)
+    live = set(found["ranks"]) | set(found["standby"])  # forked from a standby: NVRx has the fork's pid
     return pids if pids and all(pid in live for pid in pids) else []
 
 

@@ -88,6 +88,7 @@ def test_a_reserve_in_killed_rank_0s_place_receives_its_state_and_training_goes_
 
 
 @pytest.mark.slow
+@pytest.mark.compat
 def test_with_resil_standby_every_process_reserves_included_is_forked_and_the_kill_costs_no_rollback(
         uninterrupted, tmp_path):
     """RESIL_STANDBY=1 with --inprocess-restart: the launcher's standby forks all three processes (the
