@@ -49,7 +49,8 @@ def pytest_collection_modifyitems(session, config, items):
 # Each test process starts one standby with the environment launch.env() gives every rank, and every rank
 # the tests start hands itself to it: about half of a 2-rank launch's CPU is each rank importing torch, on
 # 2 cores that is the suite's time. Ranks that cannot use it (another interpreter, PYTHONPATH or
-# import-time environment, --inprocess-restart) say so and import for themselves.
+# import-time environment, such as the C++ log level --inprocess-restart sets) say so and import for
+# themselves.
 # MEGATRON_RESIL_TEST_STANDBY=0 runs the suite without it, every rank importing for itself. Users' ranks
 # start cold unless they ask for a standby, so the cold tier (tests marked `cold`: a resume after a rank
 # is killed, a signal during a save) always runs that way; the Slurm tests start a standby inside the job,
