@@ -178,6 +178,9 @@ _DATASET_ARGS = ("mock_data", "data_path", "split", "seed", "seq_length", "data_
                  "step_batch_size_schedule", "rampup_batch_size", "vocab_size", "vocab_file", "merge_file",
                  "trust_remote_code")
 _DATASET_ARG_PREFIXES = ("fim_", "tokenizer_", "tiktoken_")
+# The tokenizers built from the command line alone, reading no file and starting no thread: with these, a
+# standby builds mock data's datasets before it forks the ranks (standby_warmup.py).
+TOKENIZERS_FROM_ARGUMENTS = ("NullTokenizer", "ByteTokenizer")
 _kept: tuple[tuple, tuple] | None = None  # (what they were built from, (train, valid)): this process's
 
 
@@ -192,11 +195,16 @@ def build_ahead(args: argparse.Namespace, tokenizer: Tokenizer) -> None:
     in memory (its shuffle index, about 0.5 s here), while real data's index caches are written by one rank
     for all, which a build without the job's process group would race."""
     global _kept
-    if args.mock_data:
+    if args.mock_data and not kept_for(args):  # a standby's fork may have them already (standby_warmup.py)
         # Without even a throwaway process group: torch.distributed's first group of the process, made and
         # destroyed here, left gloo collectives of the attempts that followed without their timeout
         # (a peer stopped with SIGSTOP then blocked a survivor until NVRx's hard timeout).
         _kept = (_built_from(args), build_datasets(args, tokenizer, group=False))
+
+
+def kept_for(args: argparse.Namespace) -> bool:
+    """Whether this process holds datasets built for these arguments."""
+    return _kept is not None and _kept[0] == _built_from(args)
 
 
 def datasets_for_attempt(args: argparse.Namespace, tokenizer: Tokenizer) -> tuple[tuple, bool]:
@@ -205,11 +213,10 @@ def datasets_for_attempt(args: argparse.Namespace, tokenizer: Tokenizer) -> tupl
     in the same processes does not build them again. Otherwise every rank builds them, together
     (megatron-core's build has barriers of its own)."""
     global _kept
-    key = _built_from(args)
-    if parallel.all_ranks_agree(_kept is not None and _kept[0] == key):
+    if parallel.all_ranks_agree(kept_for(args)):
         return _kept[1], True
     built = build_datasets(args, tokenizer)
-    _kept = (key, built)
+    _kept = (_built_from(args), built)
     return built, False
 
 

@@ -54,13 +54,26 @@ def test_the_first_runs_ranks_start_with_megatron_core_and_another_runs_import_i
 
         first = _run([*RUN, "--save", str(tmp_path / "a")], env)
         assert "megatron-core imported ahead" in log.read_text(), log.read_text()
+        assert "and its mock data's datasets built;" in log.read_text(), log.read_text()
         assert _lines(first, "[resil] standby:") == []
         details = _startup(tmp_path / "a")
         assert details["standby"] is True and details["megatron_core_ahead"] is True, details
+        assert details["datasets_kept"] is True, details  # the standby's, inherited: none built here
         # The patch lines the standby kept quiet are said by the rank, as a rank of its own says them.
         cold = _run([*RUN, "--save", str(tmp_path / "cold")], launch.env(standby=False))
         assert _lines(first, "[resil] patch:") == _lines(cold, "[resil] patch:")
         assert _startup(tmp_path / "cold")["megatron_core_ahead"] is False
+        assert _startup(tmp_path / "cold")["datasets_kept"] is False
+        assert launch.losses(first.stdout) == launch.losses(cold.stdout) != {}
+
+        # The same patch records, other data (another seed): forked, but the datasets are its own.
+        reseeded = _run([*RUN, "--save", str(tmp_path / "seed"), "--seed", "7"], env)
+        details = _startup(tmp_path / "seed")
+        assert details["megatron_core_ahead"] is True and details["datasets_kept"] is False, details
+        reseeded_cold = _run([*RUN, "--save", str(tmp_path / "seed_cold"), "--seed", "7"],
+                             launch.env(standby=False))
+        reseeded_losses = launch.losses(reseeded.stdout)
+        assert reseeded_losses == launch.losses(reseeded_cold.stdout) != launch.losses(cold.stdout)
 
         # --tensorboard-dir needs megatron-core's timers to import TensorBoard: another set of records.
         other = _run([*RUN, "--save", str(tmp_path / "b"), "--tensorboard-dir", str(tmp_path / "tb")], env)

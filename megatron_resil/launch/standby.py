@@ -42,6 +42,7 @@ imports for itself.
 from __future__ import annotations
 
 import argparse
+import gc
 import io
 import os
 import select
@@ -425,6 +426,10 @@ def _answer(request: wire.Pending, listener: socket.socket, mine: dict, served: 
         request.close()
         return
     client_fd = os.pidfd_open(pid)  # before the fork: a client already gone gets no worker
+    # Every object so far out of the collector's sight: a worker's collections then walk only what it made.
+    # Walked, each object's header is written, and the copy-on-write pages of torch and megatron-core it
+    # shares with the standby are copied, in every worker (a second of nine ranks' start on two cores).
+    gc.freeze()
     sys.stdout.flush()
     sys.stderr.flush()
     worker = os.fork()
