@@ -87,6 +87,19 @@ def test_training_between_the_last_event_and_a_later_fault_is_not_charged_to_the
     assert sum(second.phases.values()) == pytest.approx(7.5)
 
 
+def test_a_same_step_recovery_is_a_resume_at_its_iteration_and_loses_no_work():
+    """A real same-step recovery (a rank killed in iteration 7, training on from 6 with the survivors'
+    state): nothing was trained twice, so no lost work is charged; before, the attempt counted as a resume
+    from iteration 0 and every iteration before the kill as recomputed."""
+    events, skipped = timeline.read_events(str(LOGS / "same_step_dp4_kill.jsonl"))
+    line = timeline.analyse(events, skipped)
+    recovered = line.attempts[-1]
+    assert recovered.loaded == "same-step@6 (from replicas)" and recovered.recomputed == 0
+    assert line.attempts[-2].reached == 6 and recovered.reached == 10
+    measured = goodput.measure(events, skipped)
+    assert measured.total.lost_s == 0 and measured.attempts[-1].kind == "in-process restart"
+
+
 def test_the_command_reports_and_draws(tmp_path):
     png = tmp_path / "goodput.png"
     result = subprocess.run([sys.executable, "-m", "megatron_resil.tools.goodput",

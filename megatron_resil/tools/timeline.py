@@ -12,8 +12,9 @@ What the summary counts:
 - attempt: the events from one `start` event up to the next (a job, a requeue, a launcher restart);
   events before the first `start` form an attempt of their own. Restarts: attempts after the first.
 - reached: iterations the run trained up to, from `progress`, `save_started`, `finished` and `exit`.
-- resume: a `loaded` event (an attempt's load, or an in-job reload after a canary trip), or the start
-  of an attempt that loaded nothing (iteration 0).
+- resume: a `loaded` event (an attempt's load, or an in-job reload after a canary trip), a same-step
+  recovery (a `recovery` record naming its iteration and receivers: the survivors' state, nothing read),
+  or the start of an attempt that did neither (iteration 0).
 - iterations recomputed at a resume from iteration L: min(R, H) - L (at least 0), R the highest
   iteration reached before the resume and H the highest reached after it, before the next resume:
   the iterations actually trained again.
@@ -143,14 +144,21 @@ def split_attempts(events: list[dict]) -> list[Attempt]:
 def resumes(attempt: Attempt) -> list[tuple[int, int]]:
     """(position, iteration) of each point this attempt resumed training from."""
     loads = [(e["_seq"], e["iteration"]) for e in attempt.events
-             if e["event"] == "loaded" and isinstance(e.get("iteration"), int)]
+             if isinstance(e.get("iteration"), int) and (e["event"] == "loaded" or _same_step(e))]
     return loads or [(attempt.events[0]["_seq"], 0)]
 
 
+def _same_step(event: dict) -> bool:
+    """A same-step recovery's record (replica_recovery.py): training went on from the iteration it names."""
+    return event["event"] == "recovery" and isinstance(event.get("receivers"), list)
+
+
 def describe_attempt(attempt: Attempt) -> None:
-    loaded = [e for e in attempt.events if e["event"] == "loaded"]
+    loaded = [e for e in attempt.events if e["event"] == "loaded" or _same_step(e)]
     if loaded:
-        attempt.loaded = ", then ".join(f"{e.get('tier')}@{e.get('iteration')}" for e in loaded)
+        attempt.loaded = ", then ".join(
+            f"{e.get('tier')}@{e.get('iteration')}" if e["event"] == "loaded"
+            else f"same-step@{e.get('iteration')} (from replicas)" for e in loaded)
     elif not any(milestone(e) is not None or (e["event"] == "load" and "verdict" not in e)
                  for e in attempt.events):  # neither trained nor decided to start from scratch
         attempt.loaded = "nothing loaded"
