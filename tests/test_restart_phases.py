@@ -84,6 +84,20 @@ def test_nvrx_07_lines_are_told_apart_by_host_and_slurm_task():
                      "rendezvous": pytest.approx(t0 + 1.7)}
 
 
+def test_an_inprocess_restarts_own_line_is_not_the_last_sign_of_life_before_it():
+    """A real same-step run (tests/data/event_logs): rank 2 killed in iteration 7; the in-process restart's
+    line came 2.2 s after rank 0's last progress record. The previous attempt ends at that record, so the
+    restart's detection is those 2.2 s; taken from the restart line, it was 0."""
+    log = launch.REPO / "tests" / "data" / "event_logs" / "same_step_dp4_kill.jsonl"
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    last_start = max(i for i, r in enumerate(records) if r["event"] == "start")
+    (restart,) = [r for r in records[:last_start] if r["event"] == "restart" and r.get("kind") == "inprocess"]
+    last_progress = [r for r in records[:last_start] if r["event"] == "progress"][-1]
+    previous = restart_phases.previous_attempt(str(log))
+    assert previous["end"] == last_progress["unix"] < restart["unix"] - 2
+    assert restart not in previous["events"]
+
+
 def test_a_boundary_not_measured_merges_its_phases_into_the_one_before():
     marks = dict(zip(restart_phases.BOUNDARIES, [100.0, None, None, 103.0, 106.0, 106.5, 107.0, 107.25, 108.0,
                                                  108.5, 109.0], strict=True))

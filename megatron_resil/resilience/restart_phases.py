@@ -217,6 +217,9 @@ def previous_attempt(log_path: str, born: float | None = None) -> dict | None:
     if not starts or starts[-1] == 0:
         return None
     before = records[starts[-2] if len(starts) > 1 else 0:starts[-1]]
+    # An in-process restart's own line is written as it begins, after the fault: not the previous attempt's
+    # last sign of life (taken for it, a restart's detection was 0 s, and its time counted as training).
+    before = [r for r in before if not (r.get("event") == "restart" and r.get("kind") == "inprocess")]
     if born is not None:
         before = [r for r in before if r["unix"] < born]
     if not before:
