@@ -190,10 +190,11 @@ def _built_from(args: argparse.Namespace) -> tuple:
 
 
 def build_ahead(args: argparse.Namespace, tokenizer: Tokenizer) -> None:
-    """Before the first in-process attempt, in every process, reserves included, and without a process
-    group: mock data's datasets, kept for every attempt (datasets_for_attempt). Mock data only: it is built
-    in memory (its shuffle index, about 0.5 s here), while real data's index caches are written by one rank
-    for all, which a build without the job's process group would race."""
+    """Before the first in-process attempt, in every process, reserves included, and in a launcher's standby
+    before it forks the ranks (standby_warmup.py), without a process group: mock data's datasets, kept for
+    every attempt (datasets_for_attempt); none built where this process already holds them. Mock data only:
+    it is built in memory (its shuffle index, about 0.2 s of CPU here), while real data's index caches are
+    written by one rank for all, which a build without the job's process group would race."""
     global _kept
     if args.mock_data and not kept_for(args):  # a standby's fork may have them already (standby_warmup.py)
         # Without even a throwaway process group: torch.distributed's first group of the process, made and
