@@ -24,7 +24,8 @@ by its own kind instead: blocked once it has run, since the signal, STUCK_STEP_F
 of its kind this process has finished (a preemption signal mid-save lets a save that is merely slow
 finish; one waiting in its collectives for a stopped or killed peer held its launcher for the whole stop
 timeout, issue 26's chaos run); the first of its kind, with nothing to compare with, is not judged. Once
-the ranks have agreed to stop, the save that follows has only the grace deadline.
+the ranks have agreed to stop, the save that follows has only the grace deadline: from this rank's own
+signal, or from the agreement on a rank the signal has not reached.
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ class ExitSignalHandler:
         signal.signal(self.signum, self._on_signal)
         # Started now: a signal handler should start nothing.
         self._wakeup = self._wakeup_pipe()
+        if self._wakeup is not None:
+            threading.Thread(target=self._listen, daemon=True, name="exit-signal-listen").start()
         threading.Thread(target=self._watch, daemon=True, name="exit-signal-watch").start()
 
     @staticmethod
@@ -109,12 +112,14 @@ class ExitSignalHandler:
             self.first_received_at = time.monotonic()
             self._first.set()
 
+    def _listen(self) -> None:
+        """Notices the signal while the main thread is blocked where no Python code runs."""
+        while self.signum not in os.read(self._wakeup, 64):
+            pass
+        self._noticed()
+
     def _watch(self) -> None:
-        if self._wakeup is not None:
-            while self.signum not in os.read(self._wakeup, 64):
-                pass
-            self._noticed()
-        self._first.wait()
+        self._first.wait()  # this rank's own signal, or the ranks' agreement to stop on another's
         if self._loading:
             self._exit_during_load()
         deadline = None if self.grace_secs is None else self.first_received_at + self.grace_secs
@@ -180,8 +185,12 @@ class ExitSignalHandler:
                 self._slowest_wait[kind] = max(self._slowest_wait.get(kind, 0.0), took)
 
     def agreed(self) -> None:
-        """The ranks agreed to stop on the signal: what follows is the save, under the grace deadline."""
+        """The ranks agreed to stop on the signal: what follows is the save, under the grace deadline. A
+        rank that learns of the signal only from its peers (it reached this rank later, or never: one rank
+        killed by hand, signals that reach a job's nodes at different times) starts its deadline now; it
+        would otherwise save with none, and exit 5 after its peers exited 6."""
         self._agreed = True
+        self._noticed()
 
     _loading = False
 
