@@ -10,8 +10,8 @@ So the connections the groups open are noted while `parallel.initialize` creates
 `end()` shuts them down (`shutdown(SHUT_RDWR)` on the socket: the blocked read returns, and gloo raises
 "Connection closed by peer" in the collective, as when a peer dies). Only established connections are
 noted: gloo's listening socket is not (its accept thread would end the process), nor the store's client
-(NVRx's restart goes on through the store). A group created later (after initialize) is not noted; the
-collectives training blocks in are in the groups initialize creates.
+(NVRx's restart goes on through the store). A group made later goes through `new_group`, which notes its
+connections the same way (the local tier's replication groups).
 """
 
 from __future__ import annotations
@@ -82,6 +82,15 @@ def tracking() -> Iterator[None]:
         yield
     finally:
         _noted.update((set(_sockets()) - before) & _established(_store_ports()))
+
+
+def new_group(ranks: list[int]):
+    """torch.distributed's new_group (collective: every rank calls it), its connections noted as
+    initialize's are: a collective in it blocked with a hung peer ends at an in-process restart too,
+    instead of holding its rank until --distributed-timeout-minutes."""
+    import torch.distributed as dist
+    with tracking():
+        return dist.new_group(ranks)
 
 
 def end() -> int:

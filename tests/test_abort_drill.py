@@ -47,6 +47,21 @@ def test_a_collective_with_a_stopped_peer_is_ended_by_the_abort_alone(tmp_path):
     assert result["sum_after_reforming"] and result["exit_codes"] == [0, 0]
 
 
+@pytest.mark.compat
+def test_a_collective_in_a_group_made_later_is_ended_by_the_abort_too(tmp_path):
+    """As above, in a group made after the process group started (group_connections.new_group, as the
+    local tier's replication groups are): before stop 49 its connections were not noted, and the abort
+    left a replication blocked with a hung peer where it was."""
+    done = subprocess.run([sys.executable, "-m", "megatron_resil.tools.abort_drill", "--backend", "gloo",
+                           "--peer", "stopped", "--group", "later", "--workdir", str(tmp_path)],
+                          env=launch.env(), cwd=launch.REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:])
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["ok"] and result["group"] == "later" and result["abort_error"] is None, result
+    assert result["hung_collective"] == "raised RuntimeError", result
+    assert result["sum_after_reforming"] and result["exit_codes"] == [0, 0]
+
+
 def test_nccl_without_two_gpus_is_one_line_and_exit_2():
     done = subprocess.run([sys.executable, "-m", "megatron_resil.tools.abort_drill", "--backend", "nccl"],
                           env=launch.env(), cwd=launch.REPO, capture_output=True, text=True, timeout=300)

@@ -25,6 +25,8 @@ from nvidia_resiliency_ext.checkpointing.local.replication.strategies import (
     CliqueReplicationStrategy,
 )
 
+from megatron_resil import group_connections
+
 
 def comm_device() -> str:
     backend = dist.get_backend() if dist.is_initialized() else "gloo"
@@ -61,7 +63,7 @@ def build_clique_strategy(jump: int, factor: int) -> CliqueReplicationStrategy:
     """Collective: every rank creates every clique's group (torch requires it), then keeps its own."""
     mine = None
     for ranks in clique_groups(dist.get_world_size(), jump, factor):
-        group = dist.new_group(ranks)
+        group = group_connections.new_group(ranks)  # an abort ends a replication blocked with a hung peer
         if dist.get_rank() in ranks:
             mine = group
     assert mine is not None

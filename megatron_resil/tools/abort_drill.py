@@ -5,6 +5,7 @@ store namespace, as same-step recovery does.
     python -m megatron_resil.tools.abort_drill --backend gloo        # CPU (tests/test_abort_drill.py)
     python -m megatron_resil.tools.abort_drill --backend nccl        # two GPUs (the GPU check's step)
     python -m megatron_resil.tools.abort_drill --peer stopped ...    # the peer hung, not dead, at the abort
+    python -m megatron_resil.tools.abort_drill --group later ...     # in a group made after the first
 
 Two processes, ranks 0 and 1, each on its own device under NCCL. Both all-reduce once (checked). Rank 1 is
 then stopped with SIGSTOP, from outside, and rank 0 enters an all-reduce with it, which cannot complete.
@@ -16,7 +17,8 @@ groups dropped. Rank 0's collective must return or raise. A replacement rank 1 i
 group on the next store namespace, and their all-reduce must give the right sum. With `--peer killed` (the
 default) the kill alone already ends a gloo collective (the peer's socket closes); with `--peer stopped`
 rank 1 is still stopped at the abort, and killed only once rank 0 is out of its collective: on either
-backend nothing but the abort can end it then.
+backend nothing but the abort can end it then. With `--group later` the collectives run in a group made
+after the process group started (group_connections.new_group, as the local tier's replication groups are).
 
 Prints one JSON line; exit code 0 when every part held, 1 when one did not, 2 for bad arguments.
 """
@@ -53,11 +55,11 @@ def _form_group(store, namespace: str, backend: str, rank: int):
     return device
 
 
-def _sum_is_right(device, rank: int) -> bool:
+def _sum_is_right(device, rank: int, group=None) -> bool:
     import torch
     import torch.distributed as dist
     value = torch.full((1024,), float(rank + 1), device=device)
-    dist.all_reduce(value)
+    dist.all_reduce(value, group=group)
     return bool((value == 3.0).all().item())
 
 
@@ -73,13 +75,14 @@ def _abort_when_told(store, aborted: dict) -> None:
     store.set("aborted", "1")
 
 
-def rank_main(backend: str, port: int, rank: int, namespace: str) -> int:
+def rank_main(backend: str, port: int, rank: int, namespace: str, group_made: str = "world") -> int:
     import torch.distributed as dist
 
-    from megatron_resil import parallel
+    from megatron_resil import group_connections, parallel
     store = dist.TCPStore(HOST, port, is_master=False, timeout=_STEP_TIMEOUT)
     device = _form_group(store, namespace, backend, rank)
-    report = {"first_sum": _sum_is_right(device, rank)}
+    group = group_connections.new_group([0, 1]) if group_made == "later" and namespace == "attempt1" else None
+    report = {"first_sum": _sum_is_right(device, rank, group)}
     store.set(f"{namespace}/ready{rank}", json.dumps(report))
     if namespace == "attempt1" and rank == 0:
         aborted: dict = {}
@@ -88,7 +91,7 @@ def rank_main(backend: str, port: int, rank: int, namespace: str) -> int:
         store.wait(["go"], _STEP_TIMEOUT)  # rank 1 is stopped now
         store.set("entered", "1")
         try:
-            _sum_is_right(device, rank)  # cannot complete: its peer is stopped, then dead
+            _sum_is_right(device, rank, group)  # cannot complete: its peer is stopped, then dead
             report["hung_collective"] = "returned"
         except Exception as error:  # noqa: BLE001 - the expected way out on gloo
             report["hung_collective"] = f"raised {type(error).__name__}"
@@ -109,7 +112,8 @@ def rank_main(backend: str, port: int, rank: int, namespace: str) -> int:
 
 # -- the drill -------------------------------------------------------------------------------------------
 
-def _start_rank(backend: str, port: int, rank: int, namespace: str, log: Path) -> subprocess.Popen:
+def _start_rank(backend: str, port: int, rank: int, namespace: str, log: Path,
+                group_made: str = "world") -> subprocess.Popen:
     env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
                                                        os.environ.get("PYTHONPATH")]))}
@@ -117,18 +121,19 @@ def _start_rank(backend: str, port: int, rank: int, namespace: str, log: Path) -
     try:
         return subprocess.Popen([sys.executable, "-m", "megatron_resil.tools.abort_drill", "--rank",
                                  str(rank), "--port", str(port), "--backend", backend, "--namespace",
-                                 namespace], env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                 namespace, "--group", group_made], env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
     finally:
         os.close(out)
 
 
-def drill(backend: str, workdir: Path, peer: str = "killed") -> dict:
+def drill(backend: str, workdir: Path, peer: str = "killed", group_made: str = "world") -> dict:
     import torch.distributed as dist
     workdir.mkdir(parents=True, exist_ok=True)
     # Port 0, taken by the store itself: held by us from the start.
     store = dist.TCPStore(HOST, 0, is_master=True, timeout=_STEP_TIMEOUT)
-    ranks = [_start_rank(backend, store.port, r, "attempt1", workdir / f"rank{r}.log") for r in (0, 1)]
+    ranks = [_start_rank(backend, store.port, r, "attempt1", workdir / f"rank{r}.log", group_made)
+             for r in (0, 1)]
     replacement = None
     try:
         store.wait(["attempt1/ready0", "attempt1/ready1"])
@@ -160,7 +165,7 @@ def drill(backend: str, workdir: Path, peer: str = "killed") -> dict:
                 proc.wait()
     held = (all(r["first_sum"] for r in first) and survivor.get("abort_error") is None
             and survivor["sum_after_reforming"] and replaced["first_sum"] and codes == [0, 0])
-    return {"backend": backend, "peer": peer, "ok": bool(held),
+    return {"backend": backend, "peer": peer, "group": group_made, "ok": bool(held),
             "hung_collective": survivor["hung_collective"],
             "seconds_after_abort": survivor["seconds_after_abort"], "abort_error": survivor["abort_error"],
             "sum_after_reforming": survivor["sum_after_reforming"], "exit_codes": codes}
@@ -178,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer", choices=("killed", "stopped"), default="killed",
                         help="rank 1 at the abort: killed (a lost rank; the default) or still stopped "
                         "(a hung one)")
+    parser.add_argument("--group", choices=("world", "later"), default="world",
+                        help="where the collectives run: the process group itself (the default) or a group "
+                        "made after it started")
     parser.add_argument("--workdir", type=Path, help="where the ranks' logs go (default: a new temporary "
                         "directory)")
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
@@ -185,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--namespace", help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
     if opts.rank is not None:
-        return rank_main(opts.backend, opts.port, opts.rank, opts.namespace)
+        return rank_main(opts.backend, opts.port, opts.rank, opts.namespace, opts.group)
     if opts.backend == "nccl":
         import torch
         if torch.cuda.device_count() < 2:
@@ -195,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     if opts.workdir is None:
         import tempfile
         opts.workdir = Path(tempfile.mkdtemp(prefix="abort_drill_"))
-    result = drill(opts.backend, opts.workdir, opts.peer)
+    result = drill(opts.backend, opts.workdir, opts.peer, opts.group)
     print(json.dumps(result), flush=True)
     return 0 if result["ok"] else 1
 
