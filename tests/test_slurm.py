@@ -8,7 +8,8 @@ rendezvous); at the time limit the warning signal makes the ranks save the itera
 job requeues itself and the next attempt resumes from exactly there; `scontrol requeue` does the same
 through Slurm; `scancel` lets the ranks save and the job stays CANCELLED; bad arguments (2) and nothing
 to load (3) end the job without a requeue, as does a project root or Python that cannot run; under
---enable-ft-package a frozen rank is caught by ft_launcher inside the job and the job still finishes; on
+--enable-ft-package a frozen rank is caught by ft_launcher inside the job and the job still finishes; with
+--recover-from-replicas a killed rank's reserve takes its place at the same iteration, nothing reloaded; on
 two "nodes" (two slurmd on this host) srun starts one launcher per node and they meet on the first node.
 
 The jobs run as users run them (issue 35): the jobs whose ranks Slurm signals, requeues, cancels or whose
@@ -33,7 +34,7 @@ import pytest
 
 from megatron_resil.launch import standby
 from megatron_resil.tools import local_slurm
-from tests import launch
+from tests import launch, reserves
 
 pytestmark = pytest.mark.slow
 
@@ -363,6 +364,34 @@ def test_enable_ft_package_under_the_script_restarts_a_frozen_rank_inside_the_jo
     assert "[resil] restart: worker group restart 1 of at most 1" in text
     assert "stop 0: training finished at iteration 60" in text
     _assert_forked_in_the_job(text, save, attempts=2)  # the in-job restart too
+
+
+def test_recover_from_replicas_under_the_script_replaces_a_killed_rank_at_the_same_iteration(slurm, tmp_path):
+    """Same-step recovery as users run it under Slurm (issue 37): pretrain.sbatch with 3 processes, 2 of
+    them training, and --recover-from-replicas. Rank 0 is killed (SIGKILL) before iteration 7, after the
+    checkpoint of 4. The reserve, forked like every rank from the standby inside the job step, takes its
+    place at the same iteration with its state from rank 1, and the job completes with no in-job restart
+    and no requeue, its losses those of a run with nothing lost."""
+    out, save = tmp_path / "job.out", tmp_path / "ckpt"
+    fault = ["--inject-fault", "kill", "--inject-fault-ranks", "0", "--inject-fault-iteration", "7"]
+    job = _submit(slurm, out, reserves.args(save, *reserves.INPROCESS, "--recover-from-replicas", *fault),
+                  NPROC_PER_NODE="3", RESIL_STANDBY="1")
+    reference = launch.run(reserves.args(tmp_path / "reference"))  # meanwhile: nothing lost, torchrun
+    assert reference.returncode == 0, reference.stdout[-3000:]
+    info = _wait_ended(slurm, job, out)
+    text = out.read_text()
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), _story(text)
+    recovered = [line for line in text.splitlines()
+                 if line.startswith("[resil] recovery: same-step recovery at iteration 6: ")]
+    assert len(recovered) == 1 and "rank 0 receives its state from rank 1" in recovered[0], _story(text)
+    assert "no checkpoint read; training goes on at iteration 7" in recovered[0], recovered
+    assert "worker group restart" not in text, _story(text)  # ft_launcher restarted nothing
+    events = [json.loads(line) for line in (save / "events.jsonl").read_text().splitlines()]
+    assert [e for e in events if e["event"] == "loaded"] == []
+    assert launch.losses(text) == launch.losses(reference.stdout)
+    phases = [e for e in events if e["event"] == "restart_phases"]
+    assert [p["kind"] for p in phases] == ["start-up", "in-process restart"], phases
+    assert phases[0]["details"]["standby"] is True and phases[1]["details"]["same_step"], phases
 
 
 def test_two_nodes_one_launcher_each_rendezvous_on_the_first_node(slurm_two_nodes, tmp_path):
