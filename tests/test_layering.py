@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # who this process is, its exit codes, the marks of a restart's phases: imports nothing of ours
     ("ground", ("", "quiet_imports", "exit_codes", "module_files", "rank_process", "phase_marks",
-                "progress")),
+                "progress", "process_exit")),
     # the patch registry, not the records: those sit above the code of ours they install
     ("reporting and the patch registry", ("events", "patches")),
     ("what the command line reads", ("batch_schedule", "fim", "tokenizer_files", "tokenizer")),

@@ -19,14 +19,17 @@ one line and exit code 2. The `ft_launcher` command keeps NVRx's behaviour as it
 With `--inprocess-restart` among the training script's arguments, two more things, for warm reserves to take
 a lost rank's place: the agent does not end the other workers when one is killed (the patch record
 "ft_launcher leaves a lost rank's survivors to in-process restart"), and the workers are told the
-rendezvous store's address (MEGATRON_RESIL_AGENT_STORE), to keep their stores there rather than on rank 0."""
+rendezvous store's address (MEGATRON_RESIL_AGENT_STORE), to keep their stores there rather than on rank 0.
+
+Once NVRx's launcher has decided its exit code, the process ends without the interpreter's teardown of
+torch (process_exit.py): the next job step waits for this exit (benchmarks/bench_launcher_exit.py)."""
 
 from __future__ import annotations
 
 import os
 import sys
 
-from megatron_resil import exit_codes
+from megatron_resil import exit_codes, process_exit
 from megatron_resil.rank_process import AGENT_STORE_ENV
 
 
@@ -109,4 +112,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        code = main()
+    except SystemExit as stop:  # NVRx's launcher ends with sys.exit
+        code = process_exit.code_of(stop)
+    # Without the interpreter's teardown of torch (0.5 s): the next job step waits for this exit.
+    process_exit.exit_without_teardown(code)
