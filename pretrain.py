@@ -33,12 +33,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":  # a spawned helper (async save's Manager) re-imports this module: keep it light
-    try:
-        code = main()
-    except SystemExit as stop:  # a decided exit (2, 3): no teardown either, where gloo could abort
-        code = process_exit.code_of(stop)
-    except Exception:  # noqa: BLE001 - a bug, or a collective failed by a peer's death: Python's report
-        # and code, without the teardown, which a restart otherwise waits for (its detection phase).
-        sys.excepthook(*sys.exc_info())
-        code = 1
-    process_exit.exit_without_teardown(code)
+    process_exit.run(main)

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 
 THREADS_AT_EXIT_SECS = 30.0
 
@@ -60,7 +61,22 @@ def exit_without_teardown(code: int | None) -> None:
     os._exit(code)
 
 
-def code_of(stop: SystemExit) -> int:
+def run(main: Callable[[], int | None]) -> None:
+    """An entry point's end: run `main`, then exit with its code without the teardown. A SystemExit is a
+    decided exit (2, 3, NVRx's launcher's own code): no teardown either, where gloo could abort. Any other
+    exception is a bug, or a collective failed by a peer's death: Python's report and code (1), without
+    the teardown, which a restart otherwise waits for (its detection phase)."""
+    try:
+        code = main()
+    except SystemExit as stop:
+        code = _code_of(stop)
+    except Exception:  # noqa: BLE001 - reported as Python reports it
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    exit_without_teardown(code)
+
+
+def _code_of(stop: SystemExit) -> int:
     """The exit code `stop` (sys.exit's) stands for; a message is printed, as Python prints it."""
     if stop.code is None or isinstance(stop.code, int):
         return stop.code or 0

@@ -689,10 +689,6 @@ if __name__ == "__main__":  # run as the module itself, not as __main__: a worke
     from megatron_resil import process_exit
     from megatron_resil.launch import standby
 
-    try:
-        code = standby.main()
-    except SystemExit as stop:  # argparse's exit 2, a name taken
-        code = process_exit.code_of(stop)
     # Without the interpreter's teardown of torch and megatron-core (0.5 s or more of CPU, beside the next
     # job step's start; under Slurm the job step waits for this process too).
-    process_exit.exit_without_teardown(code)
+    process_exit.run(standby.main)
