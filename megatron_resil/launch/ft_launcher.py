@@ -21,6 +21,12 @@ a lost rank's place: the agent does not end the other workers when one is killed
 "ft_launcher leaves a lost rank's survivors to in-process restart"), and the workers are told the
 rendezvous store's address (MEGATRON_RESIL_AGENT_STORE), to keep their stores there rather than on rank 0.
 
+NVRx's launcher and its rank monitors talk over Unix sockets named `<temp dir>/_ft_launcher<pid>...socket`,
+and unpickle what they read there. In a shared temporary directory (/tmp) any local user can take those
+names first: the launcher then cannot start (it may not remove another user's socket), or a process of
+the job connects to a socket someone else holds. So this launcher gives NVRx a directory of its own, made
+afresh (mode 0700) in the temporary directory, and removes it at exit; the ranks' own TMPDIR is unchanged.
+
 Once NVRx's launcher has decided its exit code, the process ends without the interpreter's teardown of
 torch (process_exit.py): the next job step waits for this exit (benchmarks/bench_launcher_exit.py)."""
 
@@ -76,8 +82,43 @@ def _under_inprocess_restart(argv: list[str]) -> str | None:
     return f"{host}:{port}" if parsed.rdzv_backend == "c10d" and host and port.isdigit() else ""
 
 
+_SUN_PATH_MAX = 107  # bytes of a Unix socket's path, Linux
+_LONGEST_NVRX_SOCKET = "_ft_launcher4194304_rmon999.socket"  # the longest pid, a 3-digit local rank
+
+
+def private_ipc_dir() -> str:
+    """A directory of this process's own, made afresh, where NVRx's launcher names its IPC sockets (it names
+    them from `tempfile.gettempdir()`, the launcher's when its module is imported, and the rank monitors'
+    when they are forked from it); removed at exit. Raises ValueError (the line to print) where the temporary
+    directory's path leaves no room for NVRx's socket names, OSError where no directory can be made there."""
+    import atexit
+    import shutil
+    import tempfile
+
+    if "nvidia_resiliency_ext.fault_tolerance.launcher" in sys.modules:  # its socket's name is made already
+        raise RuntimeError("NVRx's launcher module was imported before its private IPC directory was made")
+    base = tempfile.gettempdir()
+    longest = len(os.fsencode(os.path.join(base, "resil-12345678", _LONGEST_NVRX_SOCKET)))
+    if longest > _SUN_PATH_MAX:
+        raise ValueError(f"TMPDIR={base} is too long for NVRx's socket names in a directory under it "
+                         f"({longest} bytes, at most {_SUN_PATH_MAX}); set TMPDIR to a shorter path")
+    path = tempfile.mkdtemp(prefix="resil-")  # mode 0700, under a name no one held
+    tempfile.tempdir = path
+    atexit.register(shutil.rmtree, path, True)  # process_exit runs atexit; rmtree follows no symlink
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        ipc_dir = private_ipc_dir()
+    except ValueError as err:
+        print(f"[resil] ft_launcher: {err}", file=sys.stderr, flush=True)
+        return exit_codes.BAD_ARGUMENTS
+    except OSError as err:
+        print(f"[resil] ft_launcher: cannot make a private directory for NVRx's IPC sockets ({err}); set "
+              "TMPDIR to a directory you can write", file=sys.stderr, flush=True)
+        return exit_codes.BAD_ARGUMENTS
     try:
         asked = keep_alive(argv)
     except ValueError as err:
@@ -107,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
             return mismatch.code
     from nvidia_resiliency_ext.fault_tolerance import launcher
 
+    if os.path.dirname(launcher.FT_LAUNCHER_IPC_SOCKET) != ipc_dir:  # NVRx names its sockets otherwise now
+        raise RuntimeError(f"NVRx's launcher socket {launcher.FT_LAUNCHER_IPC_SOCKET} is not in {ipc_dir}")
     launcher.main(argv)  # NVRx's own exit: sys.exit with the agent's code
     return 0
 

@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import json
 import os
+import stat
 import sys
 import time
 import warnings
@@ -112,6 +113,12 @@ class MonitoredRank(FaultTolerance):
             from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
             from nvidia_resiliency_ext.fault_tolerance.rank_monitor_client import RankMonitorClientError
         self.config = config
+        foreign = foreign_ipc_socket()
+        if foreign:  # connecting would send to, and unpickle the answer of, whoever holds that name
+            sys.stderr.write(f"pretrain.py: error: --enable-ft-package: {foreign}; nothing was sent to it. "
+                             "Launch with `python -m megatron_resil.launch.ft_launcher` (its sockets in a "
+                             "directory of its own), or set TMPDIR to a directory only you can write\n")
+            sys.exit(exit_codes.BAD_ARGUMENTS)
         self.client = RankMonitorClient()
         try:
             self.client.init_workload_monitoring()
@@ -313,6 +320,38 @@ class MonitoredRank(FaultTolerance):
             return
         events.decision("ft", f"exit code {exit_code} means a restart would fail the same way: asked "
                         "ft_launcher not to restart the workers (ShutdownWorkload)", exit_code=exit_code)
+
+
+IPC_SOCKET_VARS = ("FT_RANK_MONITOR_IPC_SOCKET", "FT_LAUNCHER_IPC_SOCKET")  # NVRx's names for them
+
+
+def foreign_ipc_socket() -> str | None:
+    """Why one of the IPC sockets ft_launcher gave this rank may be another user's, or None.
+
+    NVRx names them `<temp dir>/_ft_launcher<pid>...socket`: in a shared /tmp any local user can bind such
+    a name first, and NVRx's client unpickles what comes back. A socket is trusted when it is this user's,
+    in a directory no one else may change (owned by this user or root, and not writable by others unless
+    sticky, as /tmp is: there no one else can remove or rename this user's socket). One missing is left to
+    NVRx's own error."""
+    me = os.geteuid()
+    for var in IPC_SOCKET_VARS:
+        path = os.environ.get(var)
+        if not path:
+            continue
+        try:
+            sock = os.lstat(path)
+            where = os.stat(os.path.dirname(os.path.abspath(path)))
+        except OSError:
+            continue
+        if not stat.S_ISSOCK(sock.st_mode):
+            return f"{var}={path} is not a socket"
+        if sock.st_uid != me:
+            return (f"{var}={path} is held by uid {sock.st_uid}, not this rank's uid {me}: another user "
+                    "took that name first")
+        if where.st_uid not in (me, 0) or (where.st_mode & 0o022 and not where.st_mode & stat.S_ISVTX):
+            return (f"{var}={path} is in a directory that others may change (uid {where.st_uid}, mode "
+                    f"{stat.S_IMODE(where.st_mode):o})")
+    return None
 
 
 def floor_timeouts(state: Mapping, floor: float) -> tuple[dict, list[str]]:
