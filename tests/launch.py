@@ -67,6 +67,22 @@ def standby_pid(value: str | None = None) -> int | None:
     return int(value.rpartition("@")[2]) if value and "@" in value else None
 
 
+def signals_go_to(pid: int) -> int:
+    """The process whose signal handling a signal to rank process `pid` meets: the worker a standby's
+    client hands each signal to, as it handles it then (the one process the client holds a pidfd of,
+    /proc's fdinfo naming it), or `pid` itself."""
+    standby = standby_pid()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fdinfo"):
+            with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                held = [int(line.split()[1]) for line in f if line.startswith("Pid:")]
+            if held and standby is not None and proc_stat(held[0]) and proc_stat(held[0]).parent == standby:
+                return held[0]
+    except (OSError, ValueError):
+        pass
+    return pid
+
+
 def processes_named(standby: str) -> list[int]:
     """The live standby process called `standby` (python -m megatron_resil.launch.standby --name ...), not the
     ranks forked from it, which have its command line too: their parent has it as well."""

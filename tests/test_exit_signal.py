@@ -147,10 +147,11 @@ def _rank_pids(launcher_pid: int) -> list[int]:
 
 
 def _handles_sigterm(pid: int) -> bool:
-    """SigCgt in /proc: the handler is installed (bit 14 is SIGTERM)."""
+    """SigCgt in /proc: the handler is installed (bit 14 is SIGTERM), in the rank process `pid` or, where
+    it is a standby's client, in the worker it hands signals to."""
     from pathlib import Path
     try:
-        caught = Path(f"/proc/{pid}/status").read_text().split("SigCgt:")[1].split()[0]
+        caught = Path(f"/proc/{launch.signals_go_to(pid)}/status").read_text().split("SigCgt:")[1].split()[0]
     except (OSError, IndexError):
         return False
     return bool(int(caught, 16) & (1 << (signal.SIGTERM - 1)))

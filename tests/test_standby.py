@@ -92,6 +92,25 @@ def test_stop_continue_and_kill_of_the_launchers_process_reach_the_worker(tmp_pa
     assert "Signal 9 (SIGKILL) received by PID" in log.read_text()
 
 
+def _wakeups(pid: int) -> int:
+    """How often process `pid` has gone to sleep and been woken (voluntary context switches)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+
+
+def test_the_client_sleeps_while_its_worker_trains(tmp_path, session_standby):
+    """A client wakes for a signal or its worker's end, nothing else: it used to read the worker's
+    dispositions every 10 ms, and nine of them took a tenth of a 2-core machine."""
+    proc, log, client, worker = _start_one_rank(tmp_path)
+    try:
+        before, lines = _wakeups(client), log.read_text().count("iteration ")
+        _wait(lambda: log.read_text().count("iteration ") >= lines + 50, "50 more iterations", proc=proc,
+              log=log)
+        assert _wakeups(client) - before <= 2, _wakeups(client) - before
+    finally:
+        _kill_tree(proc, client, worker)
+
+
 def test_the_workers_end_is_the_clients_a_signal_as_a_signal(tmp_path, session_standby):
     proc, log, client, worker = _start_one_rank(tmp_path)
     try:
