@@ -5,7 +5,7 @@ the launcher, and the worker forked from the standby, which trains. A client sho
 worker trains. Measured in one run: a standby, torchrun with N ranks of the tiny model forked from it, and
 the CPU time of the clients and of the workers (with everything they start), read from /proc every 0.1 s
 past the start-up (the first fifth of the run) to its end; the clients' share of it, and the clients' CPU
-per second of wall.
+per second of wall; and the standby's own CPU (it looks at its clients every 20 ms for a stop).
 
     python benchmarks/bench_standby_clients.py [--nproc 4] [--iters 150]
 """
@@ -67,7 +67,7 @@ def main() -> int:
                                 "--train-iters", str(opts.iters)], env=env, cwd=harness.REPO,
                                stdout=open(log, "w"), stderr=subprocess.STDOUT)
         last: dict[str, dict[int, float]] = {"client": {}, "worker": {}}
-        marks: list[tuple[float, float, float]] = []  # (time, clients' CPU, workers' CPU) at each look
+        marks: list[tuple[float, float, float, float]] = []  # (time, clients', workers', standby's CPU)
         done = threading.Event()
 
         def look() -> None:
@@ -76,7 +76,8 @@ def main() -> int:
                     last["client"][pid] = _cpu(pid)
                 for pid in descendants_of(server.pid):
                     last["worker"][pid] = _cpu(pid)
-                marks.append((time.time(), sum(last["client"].values()), sum(last["worker"].values())))
+                marks.append((time.time(), sum(last["client"].values()), sum(last["worker"].values()),
+                              _cpu(server.pid)))
                 time.sleep(0.1)
 
         looker = threading.Thread(target=look, daemon=True)
@@ -90,13 +91,14 @@ def main() -> int:
         server.terminate()
         server.wait(timeout=60)
     window = [m for m in marks if m[2] > 0]  # once workers exist
-    (t0, c0, w0), (t1, c1, w1) = window[len(window) // 5], window[-2]  # past start-up, before the end
-    clients, workers, wall = c1 - c0, w1 - w0, t1 - t0
+    (t0, c0, w0, s0), (t1, c1, w1, s1) = window[len(window) // 5], window[-2]  # past start-up, before the end
+    clients, workers, own, wall = c1 - c0, w1 - w0, s1 - s0, t1 - t0
     print(json.dumps({"nproc": opts.nproc, "wall_s": round(wall, 2), "clients_cpu_s": round(clients, 2),
-                      "workers_cpu_s": round(workers, 2)}))
+                      "workers_cpu_s": round(workers, 2), "standby_cpu_s": round(own, 2)}))
     print(f"{opts.nproc} clients while their workers trained ({wall:.1f} s): {clients:.2f} s of CPU "
           f"({clients / wall:.3f} s per second), workers {workers:.2f} s; clients / workers: "
-          f"{clients / workers:.3f}")
+          f"{clients / workers:.3f}; the standby itself (it watches the clients for stops): {own:.2f} s "
+          f"({own / wall:.3f} s per second)")
     shutil.rmtree(scratch, ignore_errors=True)
     return 0
 
