@@ -236,3 +236,20 @@ def test_pretrain_refuses_a_rank_monitor_socket_another_user_holds(tmp_path, sha
     assert "--enable-ft-package" in lines[0] and "megatron_resil.launch.ft_launcher" in lines[0], lines
     assert not save.exists()
     assert stat.S_ISSOCK(os.lstat(path).st_mode) and os.lstat(path).st_uid == OTHER_UID
+
+
+def test_a_tmpdir_too_long_for_the_socket_names_is_one_line_and_exit_code_2(tmp_path) -> None:
+    """NVRx's socket names under a private directory in TMPDIR must fit a Unix socket's 107 bytes: a TMPDIR
+    that leaves no room is said in one line, before NVRx's launcher starts, rather than as NVRx's
+    `OSError('AF_UNIX path too long')` once the workers are being started."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    result = subprocess.run([sys.executable, "-m", OURS, "--nnodes", "1", "--nproc-per-node", "1",
+                             "--rdzv-backend", "c10d", launch.PRETRAIN, "--train-iters", "1"],
+                            env={**launch.env(), "TMPDIR": str(deep)}, cwd=launch.REPO, timeout=60,
+                            capture_output=True, text=True)
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"[resil] ft_launcher: TMPDIR={deep} is too long"), lines
+    assert "at most 107" in lines[0] and "set TMPDIR to a shorter path" in lines[0], lines
+    assert list(deep.iterdir()) == []  # nothing made there
