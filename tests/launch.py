@@ -76,7 +76,8 @@ def signals_go_to(pid: int) -> int:
         for fd in os.listdir(f"/proc/{pid}/fdinfo"):
             with open(f"/proc/{pid}/fdinfo/{fd}") as f:
                 held = [int(line.split()[1]) for line in f if line.startswith("Pid:")]
-            if held and standby is not None and proc_stat(held[0]) and proc_stat(held[0]).parent == standby:
+            found = proc_stat(held[0]) if held and standby is not None else None
+            if found is not None and found.parent == standby:
                 return held[0]
     except (OSError, ValueError):
         pass

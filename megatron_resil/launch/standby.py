@@ -185,9 +185,7 @@ def _mirror(sock: socket.socket, worker: int, worker_fd: int) -> None:
             except ProcessLookupError:
                 pass
         elif how == "default" and signum != signal.SIGCONT:  # SIGCONT's default: the standby continues it
-            signal.signal(signum, signal.SIG_DFL)
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
-            os.kill(os.getpid(), signum)
+            _die_of(signum)
 
     for signum in FORWARDED:
         signal.signal(signum, on_signal)
@@ -199,12 +197,7 @@ def _mirror(sock: socket.socket, worker: int, worker_fd: int) -> None:
     end = end if isinstance(end, dict) else {}
     sys.stdout.flush()
     if type(end.get("signal")) is int and 0 < end["signal"] < signal.NSIG:
-        signum = end["signal"]
-        if signum not in (signal.SIGKILL, signal.SIGSTOP):
-            signal.signal(signum, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
-        os.kill(os.getpid(), signum)
-        os._exit(128 + signum)  # a signal whose default is not to end the process
+        _die_of(end["signal"])
     if type(end.get("exit")) is int:
         os._exit(end["exit"] & 0xFF)
     try:  # the standby died: its worker dies with it (parent-death signal); make sure
@@ -214,6 +207,15 @@ def _mirror(sock: socket.socket, worker: int, worker_fd: int) -> None:
     print(f"[resil] standby: the standby process that ran this rank (worker pid {worker}) is gone; the rank "
           f"ends with it; exiting with code 1", file=sys.stderr, flush=True)
     os._exit(1)
+
+
+def _die_of(signum: int) -> None:
+    """End this process of signal `signum`, as its default action would."""
+    if signum not in (signal.SIGKILL, signal.SIGSTOP):
+        signal.signal(signum, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
+    os.kill(os.getpid(), signum)
+    os._exit(128 + signum)  # a signal whose default is not to end the process
 
 
 def _dispositions(pid: int) -> dict[int, str]:
