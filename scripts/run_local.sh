@@ -6,6 +6,7 @@
 # ranks save and exit 5 (with --exit-signal-handler), and the job is requeued.
 #
 # Usage: [NPROC_PER_NODE=2] [MAX_REQUEUES=3] [MAX_RESTARTS=2] [RESIL_STANDBY=1] scripts/run_local.sh <flags>
+# (RESIL_STANDBY=1: one standby for the run, kept across requeues; see below)
 # (--save DIR is required: the requeue decision reads DIR/events.jsonl). Exit code: the run's own
 # (0 finished; see docs/exit_codes.md), or 1 when MAX_REQUEUES ran out.
 set -uo pipefail
@@ -30,8 +31,20 @@ if [ -z "$RESIL_SAVE_DIR" ]; then
   echo "$RESIL_SCRIPT: pass --save DIR: the requeue decision reads the run's DIR/events.jsonl" >&2
   exit 2
 fi
-resil_check_python || exit 2
-resil_check_args "$@" >/dev/null || exit 2
+if [ -z "${RESIL_STANDBY_ACROSS_STEPS:-}" ]; then
+  resil_check_python || exit 2
+  resil_check_args "$@" >/dev/null || exit 2
+fi
+# RESIL_STANDBY=1 (or torch): one standby for the whole run, kept across its requeues, where each job step's
+# launcher hands its ranks: on one machine a requeue runs on the same host, so a new job step's ranks are
+# forked with torch and megatron-core imported already (docs/standby.md, "Across job steps"). This script
+# runs again under it (exec: the same process), as the standby's parent: the standby ends after it.
+if [[ "${RESIL_STANDBY:-0}" =~ ^(1|torch)$ ]] && [ -z "${RESIL_STANDBY_ACROSS_STEPS:-}" ]; then
+  standby_args=(--name run-local --ranks-per-node "$NPROC_PER_NODE")
+  [ "$RESIL_STANDBY" = torch ] && standby_args+=(--torch-only)
+  RESIL_STANDBY_ACROSS_STEPS=1 exec "$RESIL_PYTHON" -m megatron_resil.launch.standby "${standby_args[@]}" \
+    -- bash "$RESIL_ROOT/scripts/run_local.sh" "$@"
+fi
 
 for ((requeue = 0; ; requeue++)); do
   # A fresh port per attempt: the previous step's store may still hold the old one for a while. Drawn

@@ -132,35 +132,57 @@ def test_local_launcher_preemption_requeues_and_resumes_to_completion(tmp_path):
 
 
 @pytest.mark.slow
-def test_with_resil_standby_the_launchers_standby_forks_the_first_and_the_restarted_ranks(tmp_path):
-    """RESIL_STANDBY=1: ft_launcher starts with a standby of its own (docs/standby.md); rank 0 kills itself
-    with SIGKILL, ft_launcher restarts both ranks, and they too are forked from it; it ends with the
-    launcher."""
+def test_with_resil_standby_one_standby_forks_the_ranks_of_every_job_step_and_ends_with_the_script(tmp_path):
+    """RESIL_STANDBY=1: run_local.sh starts one standby for the run (docs/standby.md, "Across job steps");
+    rank 0 kills itself with SIGKILL, no in-job restart is left (MAX_RESTARTS=0), the job is requeued, and
+    the new job step's ranks are forked from the same standby, which did not import again; it ends after the
+    script."""
     root = tmp_path / "ckpt"
     log = tmp_path / "launch.log"
     args = [*launch.TINY_MODEL, *launch.TINY_TRAINING, "--train-iters", "4", "--save", str(root), "--load",
             str(root), "--save-interval", "2", "--inject-fault", "kill", "--inject-fault-iteration", "3",
             "--inject-fault-ranks", "0"]
-    proc = _local(args, log, RESIL_STANDBY="1", MAX_RESTARTS="1")
+    proc = _local(args, log, RESIL_STANDBY="1", MAX_RESTARTS="0")
     try:
         assert proc.wait(timeout=300) == 0, log.read_text()[-4000:]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     out = log.read_text()
-    (ready,) = [line for line in out.splitlines() if line.startswith("[resil] standby 'launcher-")]
+    # One standby, which imported once.
+    (ready,) = [line for line in out.splitlines() if line.startswith("[resil] standby '")]
     name = ready.split("'")[1]
-    assert "not used" not in out and "stop 0: training finished at iteration 4" in out
+    assert name == f"run-local-{proc.pid}", ready
+    assert "attempt 2 (requeue 1" in out and "stop 0: training finished at iteration 4" in out, out[-4000:]
+    assert "not used" not in out and "not started" not in out, out[-4000:]
     records = [json.loads(line) for line in (root / "events.jsonl").read_text().splitlines()]
     phases = [r for r in records if r["event"] == "restart_phases"]
     assert [(r["kind"], r["details"]["standby"]) for r in phases] == [("start-up", True),
-                                                                      ("in-job restart", True)]
-    # The standby ends with its launcher (it watches it): waited for as an event; the bound is only a guard
-    # for a loaded host, where a standby took more than 5 s to go (CI, stop 43).
+                                                                      ("new job step", True)]
+    assert [r["details"]["megatron_core_ahead"] for r in phases] == [True, True]
+    # The standby ends after the script (it watches its parent): waited for as an event; the bound is only
+    # a guard for a loaded host, where a standby took more than 5 s to go (CI, stop 43).
     deadline = time.monotonic() + 60
     while launch.processes_named(name):
-        assert time.monotonic() < deadline, f"the standby {name} outlived its launcher"
+        assert time.monotonic() < deadline, f"the standby {name} outlived run_local.sh"
         time.sleep(0.05)
+
+
+def test_the_standby_of_a_script_takes_the_ranks_per_node_it_is_told():
+    """`--ranks-per-node N` with `-- COMMAND`: the import-time environment of the ranks a script's launchers
+    start (OMP_NUM_THREADS=1 for more than one rank per node, as torchrun and ft_launcher set it), where
+    COMMAND does not name their --nproc-per-node; the command's own flag, where it does."""
+    from megatron_resil.launch import standby
+
+    script = ["bash", "scripts/run_local.sh", "--inprocess-restart"]
+    env = standby.ranks_environment(script, {}, nproc="4")
+    assert env == {"OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "error"}
+    assert standby.ranks_environment(script, {}, nproc="1") == {"TORCH_CPP_LOG_LEVEL": "error"}
+    assert standby.ranks_environment(["ft_launcher", "--nproc-per-node", "1"], {}, nproc="4") == {}
+    result = subprocess.run([sys.executable, "-m", "megatron_resil.launch.standby", "--name", "x",
+                             "--ranks-per-node", "4"], cwd=launch.REPO, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2 and "--ranks-per-node goes with `-- COMMAND`" in result.stderr, result
 
 
 def _not_json(constant: str) -> None:

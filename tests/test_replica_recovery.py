@@ -91,14 +91,14 @@ def test_a_reserve_in_killed_rank_0s_place_receives_its_state_and_training_goes_
 @pytest.mark.compat
 def test_with_resil_standby_every_process_reserves_included_is_forked_and_the_kill_costs_no_rollback(
         uninterrupted, tmp_path):
-    """RESIL_STANDBY=1 with --inprocess-restart: the launcher's standby forks all three processes (the
+    """RESIL_STANDBY=1 with --inprocess-restart: the run's standby forks all three processes (the
     reserve too), so a job step's start pays the imports once; rank 0 is killed at iteration 7, and the
     reserve, itself a fork, takes its place at the same iteration."""
     losses, _ = uninterrupted
     save = tmp_path / "ckpt"
     out = _run(save, tmp_path / "run.log", ["--inject-fault", "kill", "--inject-fault-ranks", "0"],
                env={"RESIL_STANDBY": "1"})
-    assert [line for line in out.splitlines() if line.startswith("[resil] standby 'launcher-")], out[-6000:]
+    assert [line for line in out.splitlines() if line.startswith("[resil] standby 'run-local-")], out[-6000:]
     assert "not used" not in out, out[-6000:]
     lines = _recovery_lines(out)
     assert len(lines) == 2 and lines[1].startswith(

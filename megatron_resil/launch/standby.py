@@ -624,12 +624,18 @@ def main(argv: list[str] | None = None) -> int:
     ahead.add_argument("--torch-only", dest="torch_only", action="store_true",
                        help="import torch only (the default without a launcher: a standby named for a node "
                             "may serve different runs)")
+    parser.add_argument("--ranks-per-node", metavar="N",
+                        help="with `-- COMMAND`: the ranks per node of the launchers COMMAND starts (their "
+                             "--nproc-per-node), where COMMAND does not say it (a script that starts them)")
     parser.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)  # written to once it serves
     args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     if "--" in argv and not command:
         parser.error("name the launcher to run after --")
+    if args.ranks_per_node is not None and not command:
+        parser.error("--ranks-per-node goes with `-- COMMAND`")
     if command:
-        return _serve_then_run(f"{args.name or 'launcher'}-{os.getpid()}", command, bool(args.torch_only))
+        return _serve_then_run(f"{args.name or 'launcher'}-{os.getpid()}", command, bool(args.torch_only),
+                               args.ranks_per_node)
     args.name = args.name or os.environ.get(ENV, "").partition("@")[0]
     if not args.name:
         parser.error(f"--name is required (or set {ENV})")
@@ -648,13 +654,13 @@ def set_import_time_defaults(argv: list[str], env) -> None:
         env.setdefault("TORCH_CPP_LOG_LEVEL", "error")
 
 
-def ranks_environment(command: list[str], env: dict[str, str] | None = None) -> dict[str, str]:
+def ranks_environment(command: list[str], env: dict[str, str] | None = None,
+                      nproc: str | None = None) -> dict[str, str]:
     """The import-time environment the launcher `command` gives its ranks, for its standby: torchrun and
-    ft_launcher set OMP_NUM_THREADS=1 for more than one rank per node when it is not set, and pretrain.py
-    its own defaults (`set_import_time_defaults`)."""
+    ft_launcher set OMP_NUM_THREADS=1 for more than one rank per node (`nproc`, else the command's
+    --nproc-per-node) when it is not set, and pretrain.py its own defaults (`set_import_time_defaults`)."""
     env = dict(os.environ if env is None else env)
     set_import_time_defaults(command, env)
-    nproc = None
     for i, arg in enumerate(command):
         for flag in ("--nproc-per-node", "--nproc_per_node"):
             if arg == flag and i + 1 < len(command):
@@ -666,7 +672,8 @@ def ranks_environment(command: list[str], env: dict[str, str] | None = None) -> 
     return env
 
 
-def _serve_then_run(name: str, command: list[str], torch_only: bool = False) -> int:
+def _serve_then_run(name: str, command: list[str], torch_only: bool = False,
+                    nproc: str | None = None) -> int:
     """Start the standby as a process of its own (its command line names no run), wait until its socket is
     bound (its imports go on beside the launcher's start-up; ranks that come before they end wait for
     them), then become the launcher (exec): the standby's parent is then the launcher."""
@@ -674,7 +681,7 @@ def _serve_then_run(name: str, command: list[str], torch_only: bool = False) -> 
     standby = subprocess.Popen([sys.executable, "-m", "megatron_resil.launch.standby", "--name", name,
                                 "--torch-only" if torch_only else "--import-megatron-core",
                                 "--ready-fd", str(ready_w)],
-                               pass_fds=(ready_w,), env=ranks_environment(command))
+                               pass_fds=(ready_w,), env=ranks_environment(command, nproc=nproc))
     os.close(ready_w)
     with os.fdopen(ready_r, "rb") as ready:
         started = ready.read(1) == b"1"  # EOF without it: the standby could not bind (its line says why)
