@@ -65,4 +65,8 @@ for ((requeue = 0; ; requeue++)); do
     resil_log "not requeueing: MAX_REQUEUES=$MAX_REQUEUES reached; stopping with exit code 1"
     exit 1
   fi
+  # From the second job step on, the launcher too is forked from the run's standby, which has torch imported
+  # by then (NVRx's launcher imports it: about 2 s of a step's start); the first one starts beside the
+  # standby's imports, and imports for itself rather than wait for them (docs/standby.md).
+  [ -n "${RESIL_STANDBY_ACROSS_STEPS:-}" ] && export MEGATRON_RESIL_LAUNCHER_FROM_STANDBY=1
 done

@@ -131,19 +131,43 @@ def test_local_launcher_preemption_requeues_and_resumes_to_completion(tmp_path):
     assert (root / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def _new_events(root: Path, seen: int) -> tuple[list[dict], int]:
+    try:
+        lines = (root / "events.jsonl").read_text().splitlines()
+    except OSError:
+        return [], seen
+    whole = [json.loads(line) for line in lines[seen:] if line.endswith("}")]
+    return whole, seen + len(whole)
+
+
 @pytest.mark.slow
-def test_with_resil_standby_one_standby_forks_the_ranks_of_every_job_step_and_ends_with_the_script(tmp_path):
-    """RESIL_STANDBY=1: run_local.sh starts one standby for the run (docs/standby.md, "Across job steps");
-    rank 0 kills itself with SIGKILL, no in-job restart is left (MAX_RESTARTS=0), the job is requeued, and
-    the new job step's ranks are forked from the same standby, which did not import again; it ends after the
-    script."""
+def test_with_resil_standby_one_standby_forks_every_job_steps_launcher_and_ranks_and_ends_with_the_script(
+        tmp_path):
+    """RESIL_STANDBY=1: run_local.sh starts one standby for the run (docs/standby.md, "Across job steps").
+    The job is preempted twice (SIGTERM to the script, each time once the step has trained): the ranks save
+    and exit 5, and the job is requeued. Every job step's ranks, and the launchers of the second and third,
+    are forked from that one standby, which imported once; the preemption reaches a forked launcher through
+    its client. The standby ends after the script."""
     root = tmp_path / "ckpt"
     log = tmp_path / "launch.log"
-    args = [*launch.TINY_MODEL, *launch.TINY_TRAINING, "--train-iters", "4", "--save", str(root), "--load",
-            str(root), "--save-interval", "2", "--inject-fault", "kill", "--inject-fault-iteration", "3",
-            "--inject-fault-ranks", "0"]
-    proc = _local(args, log, RESIL_STANDBY="1", MAX_RESTARTS="0")
+    args = [*launch.TINY_MODEL, *launch.TINY_TRAINING, "--train-iters", "8", "--save", str(root), "--load",
+            str(root), "--save-interval", "4", "--exit-signal-handler",
+            # Slow enough that each preemption lands mid-run.
+            "--inject-fault", "slow", "--inject-fault-iteration", "1", "--inject-fault-slow-secs", "0.5"]
+    proc = _local(args, log, RESIL_STANDBY="1")
     try:
+        seen, steps, preempted = 0, 0, 0
+        deadline = time.monotonic() + 240
+        while preempted < 2:  # each step's first iteration after its start: preempt it
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            new, seen = _new_events(root, seen)
+            for event in new:
+                steps += event["event"] == "restart_phases"
+                if event["event"] == "progress" and steps > preempted:
+                    os.kill(proc.pid, signal.SIGTERM)
+                    preempted += 1
+                    break
+            time.sleep(0.05)
         assert proc.wait(timeout=300) == 0, log.read_text()[-4000:]
     finally:
         if proc.poll() is None:
@@ -153,19 +177,47 @@ def test_with_resil_standby_one_standby_forks_the_ranks_of_every_job_step_and_en
     (ready,) = [line for line in out.splitlines() if line.startswith("[resil] standby '")]
     name = ready.split("'")[1]
     assert name == f"run-local-{proc.pid}", ready
-    assert "attempt 2 (requeue 1" in out and "stop 0: training finished at iteration 4" in out, out[-4000:]
+    assert out.count("requeue 5: stopped by the exit signal after saving") == 2, out[-4000:]
+    assert "attempt 3 (requeue 2" in out and "stop 0: training finished at iteration 8" in out, out[-4000:]
     assert "not used" not in out and "not started" not in out, out[-4000:]
     records = [json.loads(line) for line in (root / "events.jsonl").read_text().splitlines()]
     phases = [r for r in records if r["event"] == "restart_phases"]
-    assert [(r["kind"], r["details"]["standby"]) for r in phases] == [("start-up", True),
-                                                                      ("new job step", True)]
-    assert [r["details"]["megatron_core_ahead"] for r in phases] == [True, True]
+    assert [(r["kind"], r["details"]["standby"], r["details"]["megatron_core_ahead"]) for r in phases] == [
+        ("start-up", True, True), ("new job step", True, True), ("new job step", True, True)]
+    # The later steps' launchers were forked from it too (NVRx's launcher then imports no torch).
+    assert [r["details"]["launcher_forked"] for r in phases] == [False, True, True]
+    assert [r["exit_code"] for r in records if r["event"] == "exit"] == [5, 5]
     # The standby ends after the script (it watches its parent): waited for as an event; the bound is only
     # a guard for a loaded host, where a standby took more than 5 s to go (CI, stop 43).
     deadline = time.monotonic() + 60
     while launch.processes_named(name):
         assert time.monotonic() < deadline, f"the standby {name} outlived run_local.sh"
         time.sleep(0.05)
+
+
+def test_a_launcher_told_to_hand_itself_over_with_no_standby_says_so_and_runs(tmp_path):
+    """MEGATRON_RESIL_LAUNCHER_FROM_STANDBY=1 (run_local.sh's later steps) where no standby answers: one
+    line, and the launcher runs in its own process (here: NVRx's help)."""
+    env = {**launch.env(), "MEGATRON_RESIL_LAUNCHER_FROM_STANDBY": "1",
+           "MEGATRON_RESIL_STANDBY": f"resil-test-none-{os.getpid()}"}
+    result = subprocess.run([sys.executable, "-m", "megatron_resil.launch.ft_launcher", "--help"], env=env,
+                            cwd=launch.REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    said = result.stderr
+    assert f"[resil] standby: MEGATRON_RESIL_STANDBY=resil-test-none-{os.getpid()} not used: no standby " \
+        "answers" in said and "; the launcher imports torch itself" in said, said
+    assert "usage:" in result.stdout
+
+
+def test_the_standby_serves_this_checkouts_launcher_and_no_other_script_once_megatron_core_is_in():
+    from megatron_resil.launch import ft_launcher, standby_warmup
+
+    assert standby_warmup.is_our_launcher(ft_launcher.__file__)
+    assert not standby_warmup.is_our_launcher(str(launch.REPO / "scripts" / "node_loss_drill.py"))
+    warm = standby_warmup.Warmup()
+    warm.key = frozenset({"a record"})  # as after the first pretrain.py run's import ahead
+    assert warm.refusal({"argv": [ft_launcher.__file__, "--nproc-per-node", "2"]}) is None
+    assert warm.refusal({"argv": ["other.py"]}) == "it has megatron-core imported for pretrain.py runs"
 
 
 def test_the_standby_of_a_script_takes_the_ranks_per_node_it_is_told():

@@ -154,7 +154,27 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+FROM_STANDBY_ENV = "MEGATRON_RESIL_LAUNCHER_FROM_STANDBY"
+
+
+def hand_over_to_the_standby() -> None:
+    """With MEGATRON_RESIL_LAUNCHER_FROM_STANDBY=1 (run_local.sh sets it from a run's second job step on,
+    when the run's standby has torch imported): this launcher is forked from the standby that
+    MEGATRON_RESIL_STANDBY names, as a rank is, and this process only mirrors it; NVRx's launcher imports
+    torch, about 2 s of a new job step's start on our machines. It takes the import-time environment its
+    ranks get (OMP_NUM_THREADS=1 for more than one rank per node, TORCH_CPP_LOG_LEVEL=error under
+    --inprocess-restart, each unless set), which the standby imported torch in; its ranks get the same as
+    before. Where the standby does not serve it, it says why in one line and runs here."""
+    if os.environ.pop(FROM_STANDBY_ENV, None) != "1":  # read once: its ranks are not launchers
+        return
+    from megatron_resil.launch import standby
+
+    os.environ.update(standby.ranks_environment(sys.argv))
+    standby.hand_over(who="the launcher")
+
+
 if __name__ == "__main__":
+    hand_over_to_the_standby()
     # NVRx's launcher ends with sys.exit; without the interpreter's teardown of torch (0.5 s) after it:
     # the next job step waits for this exit.
     process_exit.run(main)

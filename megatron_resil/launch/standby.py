@@ -80,16 +80,17 @@ _MAX_PENDING = 32  # requests being read at once (standby_wire.Pending); more ar
 
 # ---- the client: pretrain.py's first lines --------------------------------------------------------------
 
-def hand_over() -> None:
-    """Run this rank in the standby named by MEGATRON_RESIL_STANDBY, if there is one that fits: then this
-    process only mirrors its worker and never returns. Otherwise return, having said why in one line."""
+def hand_over(who: str = "this rank") -> None:
+    """Run this rank (or `who`: the launcher, launch/ft_launcher.py) in the standby named by
+    MEGATRON_RESIL_STANDBY, if there is one that fits: then this process only mirrors its worker and never
+    returns. Otherwise return, having said why in one line."""
     value = os.environ.get(ENV)
     if not value or rank_process.in_standby_worker():
         return
     try:
         sock, standby = _connect(value)
     except _NotUsed as why:
-        return _not_used(value, str(why))
+        return _not_used(value, str(why), who)
     fds = [fd for fd in (0, 1, 2) if _is_open(fd)]
     umask = os.umask(0)
     os.umask(umask)
@@ -104,10 +105,10 @@ def hand_over() -> None:
         sock.settimeout(None)
     except _NotUsed as why:
         sock.close()
-        return _not_used(value, str(why))
+        return _not_used(value, str(why), who)
     except (OSError, ValueError) as err:
         sock.close()
-        return _not_used(value, f"the standby did not answer ({err})")
+        return _not_used(value, f"the standby did not answer ({err})", who)
     _mirror(sock, worker, worker_fd)
 
 
@@ -115,9 +116,9 @@ class _NotUsed(Exception):
     """Why this rank does not hand itself over: it imports for itself."""
 
 
-def _not_used(value: str, why: str) -> None:
+def _not_used(value: str, why: str, who: str = "this rank") -> None:
     if os.environ.get("RANK", "0") == "0":
-        print(f"[resil] standby: {ENV}={value} not used: {why}; this rank imports torch itself",
+        print(f"[resil] standby: {ENV}={value} not used: {why}; {who} imports torch itself",
               file=sys.stderr, flush=True)
 
 

@@ -30,6 +30,14 @@ from megatron_resil.patches import torch_startup
 PRETRAIN = "pretrain.py"
 
 
+def is_our_launcher(script: str) -> bool:
+    """Whether `script` is this checkout's ft_launcher (launch/ft_launcher.py), which a script's launcher
+    may hand itself to the standby as (run_local.sh, from a run's second job step on)."""
+    from megatron_resil.launch import ft_launcher
+
+    return os.path.realpath(script) == os.path.realpath(ft_launcher.__file__)
+
+
 class Warmup:
     """The standby's one import of megatron-core: for which records, or why not."""
 
@@ -45,6 +53,8 @@ class Warmup:
             return None
         if self.failed is not None:
             return f"its import of megatron-core ahead failed ({self.failed})"
+        if is_our_launcher(request["argv"][0]):  # no rank: nothing to import ahead for it (docs/standby.md)
+            return None
         is_pretrain = os.path.basename(request["argv"][0]) == PRETRAIN
         if not is_pretrain:
             return None if self.key is None else "it has megatron-core imported for pretrain.py runs"

@@ -128,6 +128,9 @@ def measure() -> dict:
     launcher = rank_process.launcher_pid() if under_launcher else None
     launcher_started = rank_process.started_unix(launcher) if launcher else None
     details["launcher_started"] = launcher_started
+    if first_in_process:  # the launcher itself forked from this rank's standby (run_local.sh's later steps)
+        found = rank_process.proc_stat(launcher) if launcher and rank_process.in_standby_worker() else None
+        details["launcher_forked"] = found is not None and found.parent == os.getppid()
     previous = previous_attempt(events.log_path(), born=marks["spawned"] if first_in_process else None)
     if previous is None:
         kind = "start-up"
