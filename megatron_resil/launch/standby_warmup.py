@@ -33,9 +33,8 @@ PRETRAIN = "pretrain.py"
 def is_our_launcher(script: str) -> bool:
     """Whether `script` is this checkout's ft_launcher (launch/ft_launcher.py), which a script's launcher
     may hand itself to the standby as (run_local.sh, from a run's second job step on)."""
-    from megatron_resil.launch import ft_launcher
-
-    return os.path.realpath(script) == os.path.realpath(ft_launcher.__file__)
+    ours = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ft_launcher.py")  # (not imported)
+    return os.path.realpath(script) == os.path.realpath(ours)
 
 
 class Warmup:
