@@ -141,6 +141,7 @@ def _new_events(root: Path, seen: int) -> tuple[list[dict], int]:
 
 
 @pytest.mark.slow
+@pytest.mark.compat  # NVRx's launcher, forked: its 0.7 too
 def test_with_resil_standby_one_standby_forks_every_job_steps_launcher_and_ranks_and_ends_with_the_script(
         tmp_path):
     """RESIL_STANDBY=1: run_local.sh starts one standby for the run (docs/standby.md, "Across job steps").
