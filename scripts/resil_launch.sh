@@ -49,14 +49,10 @@ resil_check_args() {
 # They are left to FT_LAUNCHER_ARGS: on a real cluster a shorter keep-alive also drops live nodes whose
 # launcher is late with a heartbeat (a loaded host, a busy store), and each heartbeat rewrites the
 # rendezvous state in the store, so the default stays NVRx's.
-# RESIL_STANDBY_ACROSS_STEPS=1: the script runs under a standby of its own already (run_local.sh), which
-# MEGATRON_RESIL_STANDBY names.
 resil_launcher_cmd() {
   RESIL_LAUNCHER=()
-  if [ -z "${RESIL_STANDBY_ACROSS_STEPS:-}" ]; then
-    [ "${RESIL_STANDBY:-0}" = 1 ] && RESIL_LAUNCHER=("$RESIL_PYTHON" -m megatron_resil.launch.standby --)
-    [ "${RESIL_STANDBY:-0}" = torch ] && RESIL_LAUNCHER=("$RESIL_PYTHON" -m megatron_resil.launch.standby --torch-only --)
-  fi
+  [ "${RESIL_STANDBY:-0}" = 1 ] && RESIL_LAUNCHER=("$RESIL_PYTHON" -m megatron_resil.launch.standby --)
+  [ "${RESIL_STANDBY:-0}" = torch ] && RESIL_LAUNCHER=("$RESIL_PYTHON" -m megatron_resil.launch.standby --torch-only --)
   RESIL_LAUNCHER+=("$RESIL_PYTHON" -m megatron_resil.launch.ft_launcher
     --rdzv-backend c10d --rdzv-endpoint "$RDZV_HOST:$RDZV_PORT"
     --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" --max-restarts "$MAX_RESTARTS"

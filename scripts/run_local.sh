@@ -38,12 +38,13 @@ fi
 # RESIL_STANDBY=1 (or torch): one standby for the whole run, kept across its requeues, where each job step's
 # launcher hands its ranks: on one machine a requeue runs on the same host, so a new job step's ranks are
 # forked with torch and megatron-core imported already (docs/standby.md, "Across job steps"). This script
-# runs again under it (exec: the same process), as the standby's parent: the standby ends after it.
+# runs again under it (exec: the same process), as the standby's parent: the standby ends after it. There
+# RESIL_STANDBY is cleared, so that no job step's launcher starts a standby of its own (resil_launch.sh).
 if [[ "${RESIL_STANDBY:-0}" =~ ^(1|torch)$ ]] && [ -z "${RESIL_STANDBY_ACROSS_STEPS:-}" ]; then
   standby_args=(--name run-local --ranks-per-node "$NPROC_PER_NODE")
   [ "$RESIL_STANDBY" = torch ] && standby_args+=(--torch-only)
-  RESIL_STANDBY_ACROSS_STEPS=1 exec "$RESIL_PYTHON" -m megatron_resil.launch.standby "${standby_args[@]}" \
-    -- bash "$RESIL_ROOT/scripts/run_local.sh" "$@"
+  RESIL_STANDBY= RESIL_STANDBY_ACROSS_STEPS=1 exec "$RESIL_PYTHON" -m megatron_resil.launch.standby \
+    "${standby_args[@]}" -- bash "$RESIL_ROOT/scripts/run_local.sh" "$@"
 fi
 
 for ((requeue = 0; ; requeue++)); do
